@@ -1,0 +1,68 @@
+"""The knock modules of Knocking-Heads Attention (arXiv 2510.23052, Sec. 3).
+
+A knock is shared by all heads of one layer and acts on each head's features, i.e. on the last dimension of a
+(B, T, n_heads, d_h) tensor, right after the q/k/v projection. Both kinds start as the exact identity.
+
+This file is copied next to saved checkpoints (remote code): it may import only torch and siblings.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class KnockLinear(nn.Linear):
+    """A bias-free d_h x d_h linear map with a fixed starting value: the identity or zeros.
+
+    Follows the nn.Linear convention, so `weight` holds T transposed: `forward(x) = x @ T = x @ weight.T`.
+    """
+
+    def __init__(self, head_dim: int, start: str = "identity", device=None, dtype=None) -> None:
+        if start not in ("identity", "zeros"):
+            raise ValueError(f"start must be 'identity' or 'zeros', got {start!r}")
+        self.start = start  # read by reset_parameters, which nn.Linear.__init__ calls
+        super().__init__(head_dim, head_dim, bias=False, device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            if self.start == "identity":
+                nn.init.eye_(self.weight)
+            else:
+                nn.init.zeros_(self.weight)
+
+
+class LinearKnock(KnockLinear):
+    """KHA-Linear: `X~_i = X_i T` for every head i, T initialised to the identity (diagonal initialisation)."""
+
+    def __init__(self, head_dim: int, device=None, dtype=None) -> None:
+        super().__init__(head_dim, "identity", device=device, dtype=dtype)
+
+
+class MLPKnock(nn.Module):
+    """KHA-MLP: `V~_i = 2 * ((V_i W_up) * sigmoid(V_i W_gate)) W_down`, shared by all heads.
+
+    W_up = W_down = I and W_gate = 0 at init, so `2 * sigmoid(0) = 1` and the module is exactly the identity.
+    """
+
+    def __init__(self, head_dim: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.up = KnockLinear(head_dim, "identity", device=device, dtype=dtype)
+        self.gate = KnockLinear(head_dim, "zeros", device=device, dtype=dtype)
+        self.down = KnockLinear(head_dim, "identity", device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, T, n_heads, d_h). The factor 2 multiplies the gate (2 * 0.5 = 1 exactly) rather than the output,
+        # so the identity at init is bit-exact even for subnormal inputs.
+        return self.down(self.up(x) * (2.0 * torch.sigmoid(self.gate(x))))
+
+
+def build_knock(kind: str, head_dim: int) -> nn.Module | None:
+    """'none' -> None, 'linear' -> LinearKnock, 'mlp' -> MLPKnock."""
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return LinearKnock(head_dim)
+    if kind == "mlp":
+        return MLPKnock(head_dim)
+    raise ValueError(f"unknown knock type {kind!r}; choose one of: none, linear, mlp")

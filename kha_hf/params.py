@@ -1,0 +1,69 @@
+"""Knock parameters: naming, counting and optimizer groups that keep them out of weight decay.
+
+Weight decay pulls a parameter toward 0, but a knock's neutral point is the identity (or, for the MLP gate, 0 with
+the identity elsewhere): decaying knocks would push a converted model away from its base. So knocks get no decay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+KNOCK_MODULE_NAMES = ("q_knock", "k_knock", "v_knock")
+
+
+def is_knock_parameter(name: str) -> bool:
+    """True for a parameter name inside a knock module (`...self_attn.v_knock.up.weight`)."""
+    return any(f"{module}." in name for module in KNOCK_MODULE_NAMES)
+
+
+def knock_parameter_names(model: nn.Module) -> list[str]:
+    """Names of all knock parameters of `model` (works on PEFT-wrapped models too)."""
+    return [name for name, _ in model.named_parameters() if is_knock_parameter(name)]
+
+
+def count_knock_parameters(model: nn.Module) -> int:
+    """Number of knock weights: 3 * head_dim**2 per knocked layer for mlp_v and for linear_qkv."""
+    return sum(p.numel() for name, p in model.named_parameters() if is_knock_parameter(name))
+
+
+def _no_decay(name: str, param: nn.Parameter) -> bool:
+    # Biases and norm weights (1-D) are not decayed either, as in transformers' Trainer.
+    return is_knock_parameter(name) or param.ndim < 2
+
+
+def optimizer_param_groups(
+    model: nn.Module,
+    weight_decay: float = 0.1,
+    lr: float | None = None,
+    knock_lr: float | None = None,
+    only_trainable: bool = True,
+) -> list[dict]:
+    """Param groups for torch optimizers: decayed weights, undecayed weights, and knocks (no decay, own lr).
+
+    Example:
+        torch.optim.AdamW(optimizer_param_groups(model, weight_decay=0.1, lr=3e-4, knock_lr=1e-3), betas=(0.9, 0.95))
+    """
+    decay, no_decay, knocks = [], [], []
+    named: Iterable = model.named_parameters()
+    for name, param in named:
+        if only_trainable and not param.requires_grad:
+            continue
+        if is_knock_parameter(name):
+            knocks.append(param)
+        elif _no_decay(name, param):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+        {"params": knocks, "weight_decay": 0.0},
+    ]
+    if lr is not None:
+        for group in groups:
+            group["lr"] = lr
+    if knock_lr is not None:
+        groups[2]["lr"] = knock_lr
+    return [g for g in groups if g["params"]]

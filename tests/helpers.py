@@ -1,0 +1,76 @@
+"""Tiny random configs of every supported base family and the one comparison helper every test uses."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    PreTrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA everywhere
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_configs() -> dict[str, PreTrainedConfig]:
+    """One tiny config per family, with each family's peculiarity switched on."""
+    return {
+        "llama": LlamaConfig(**COMMON),
+        "llama_bias": LlamaConfig(**COMMON, attention_bias=True),
+        "mistral": MistralConfig(**COMMON, sliding_window=5),
+        "qwen2": Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+        "qwen3": Qwen3Config(
+            **{**COMMON, "num_hidden_layers": 3},
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=2,
+        ),
+        "qwen3_moe": Qwen3MoeConfig(
+            **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        ),
+        "mixtral": MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=5),
+    }
+
+
+FAMILIES = sorted(tiny_configs())
+
+
+def tiny_base_model(name: str, attn_implementation: str = "eager", seed: int = 0):
+    """A random stock transformers model of family `name`, in eval mode."""
+    torch.manual_seed(seed)
+    config = copy.deepcopy(tiny_configs()[name])
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
+def randomize_knocks(model, scale: float = 0.3, seed: int = 1) -> None:
+    """Move every knock weight away from its init, so knocks visibly change the outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_knock." in name:
+                param.add_(scale * torch.randn(param.shape, generator=gen).to(param.dtype))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 0.0, what: str = "") -> None:
+    """Exact (atol=0: torch.equal) or within atol; the failure message reports max and mean |difference|."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    diff = (actual.double() - expected.double()).abs()
+    ok = torch.equal(actual, expected) if atol == 0 else bool(diff.max() <= atol)
+    assert ok, f"{what}: max |diff| {diff.max().item():.3e}, mean {diff.mean().item():.3e} (atol {atol})"

@@ -1,0 +1,90 @@
+"""Saved KHA folders carry self-contained code: they load with trust_remote_code where kha_hf is absent."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import kha_hf
+from kha_hf import KHAForCausalLM
+from tests.helpers import randomize_knocks, tiny_base_model
+
+CODE_FILES = {"configuration_kha.py", "modeling_kha.py", "knocks.py"}
+
+
+def _save_trained(tmp_path, family="qwen3"):
+    kha = KHAForCausalLM.from_base(tiny_base_model(family), knock="mlp_v_linear_qk")
+    randomize_knocks(kha)
+    kha.save_pretrained(tmp_path / "kha")
+    ids = torch.randint(3, 128, (2, 9))
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": kha(ids).logits}, tmp_path / "expected.pt")
+    return tmp_path / "kha"
+
+
+def test_save_writes_auto_map_and_self_contained_code(tmp_path):
+    folder = _save_trained(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_kha.KHAConfig",
+        "AutoModel": "modeling_kha.KHAModel",
+        "AutoModelForCausalLM": "modeling_kha.KHAForCausalLM",
+    }
+    assert config["architectures"] == ["KHAForCausalLM"]
+    assert config["base_model_type"] == "qwen3" and config["knock_v"] == "mlp"
+    assert CODE_FILES <= set(os.listdir(folder))
+    for name in CODE_FILES:
+        tree = ast.parse((folder / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1, f"{name}: only single-dot relative imports travel"
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not any(n.startswith("kha_hf") for n in names), f"{name} imports kha_hf"
+
+
+def test_fresh_process_without_kha_hf_loads_with_trust_remote_code(tmp_path):
+    folder = _save_trained(tmp_path)
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["kha_hf"] = None  # make the package unimportable, even from an editable install
+        try:
+            import kha_hf
+            raise SystemExit("kha_hf is importable")
+        except ImportError:
+            pass
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(
+            {str(folder)!r}, trust_remote_code=True, attn_implementation="eager"
+        )
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        with torch.no_grad():
+            logits = model(expected["ids"]).logits
+        assert torch.equal(logits, expected["logits"]), (logits - expected["logits"]).abs().max()
+        print("REMOTE_OK", type(model).__name__)
+        """
+    )
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_MODULES_CACHE", None)
+    result = subprocess.run(
+        [sys.executable, "-P", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "REMOTE_OK" in result.stdout
+
+
+def test_with_kha_hf_imported_loads_without_trust_remote_code(tmp_path):
+    folder = _save_trained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    assert isinstance(model, kha_hf.KHAForCausalLM)
+    expected = torch.load(tmp_path / "expected.pt")
+    with torch.no_grad():
+        assert torch.equal(model(expected["ids"]).logits, expected["logits"])
