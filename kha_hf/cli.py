@@ -1,13 +1,112 @@
-"""The `kha` command: argument parsing only; each subcommand calls a library function."""
+"""The `kha` command: argument parsing only; each subcommand calls one library function."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-EPILOG = """examples:
-  kha convert Qwen/Qwen3-0.6B ./qwen3-0.6b-kha --knock mlp_v --verify
+from .configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
+from .errors import KHAError
+
+EPILOG = """typical workflow:
+  kha convert Qwen/Qwen3-0.6B ./qwen3-kha --knock mlp_v --verify   # upgrade, outputs unchanged
+  kha verify Qwen/Qwen3-0.6B ./qwen3-kha                            # check parity again
+  kha train ./qwen3-kha --output ./qwen3-kha-trained --mode knocks  # teach the knocks
+  kha eval --baseline Qwen/Qwen3-0.6B --candidate ./qwen3-kha-trained --suite quick
+  kha inspect ./qwen3-kha-trained --plot knocks.png                 # what the knocks learned
+  kha fold ./llama-kha-linear ./llama-folded                        # KHA-Linear -> plain checkpoint
+  kha demo                                                          # all of it, offline, on SmolLM2-135M
 """
+
+
+def _layers(text: str) -> list[int]:
+    """'0,1,5-7' -> [0, 1, 5, 6, 7]"""
+    layers: list[int] = []
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                lo, hi = part.split("-")
+                layers.extend(range(int(lo), int(hi) + 1))
+            elif part.strip():
+                layers.append(int(part))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"invalid layer list {text!r}; use e.g. 0,1,4-7") from err
+    return layers
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="upgrade a Llama/Mistral/Qwen checkpoint (folder, Hub id or GGUF) to KHA, streaming",
+        description="Upgrade a base checkpoint to KHA with identity knocks: outputs are unchanged until trained. "
+        "Safetensors sources are streamed (headers only, shards copied or linked); GGUF files are dequantised.",
+        epilog="examples:\n"
+        "  kha convert Qwen/Qwen3-0.6B ./qwen3-0.6b-kha --knock mlp_v --verify\n"
+        "  kha convert ./my-llama ./my-llama-kha --knock linear_qkv --link\n"
+        "  kha convert ./SmolLM2-135M.Q4_1.gguf ./smollm2-kha\n"
+        "  kha convert ./my-llama ./my-llama-kha --push-to-hub me/my-llama-kha",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", metavar="SRC", help="checkpoint folder, Hub id (owner/name) or .gguf file")
+    p.add_argument("dst", metavar="DST", help="output folder (written atomically)")
+    p.add_argument("--knock", default=DEFAULT_KNOCK, choices=sorted(KNOCK_PRESETS), help="knock preset")
+    p.add_argument("--knock-layers", type=_layers, default=None, help="layers to knock, e.g. 0,1,8-15 (default all)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--link", action="store_true", help="hard-link the original shards")
+    group.add_argument("--copy", dest="link", action="store_false", help="copy the shards byte for byte (default)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: keep)")
+    p.add_argument("--verify", action="store_true", help="check identical logits before writing DST")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the result to this Hub repo")
+    p.add_argument("--private", action="store_true", help="make the Hub repo private")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.add_argument("--revision", help="Hub revision of SRC")
+    p.set_defaults(func=_run_convert)
+
+
+def _run_convert(args) -> int:
+    from .conversion import convert
+
+    result = convert(
+        args.src,
+        args.dst,
+        knock=args.knock,
+        knock_layers=args.knock_layers,
+        link=args.link,
+        dtype=args.dtype,
+        verify=args.verify,
+        push_to_hub=args.push_to_hub,
+        private=args.private,
+        overwrite=args.overwrite,
+        revision=args.revision,
+    )
+    print(f"wrote {result.output}: {len(result.knock_tensors)} knock tensors ({result.config.knock_preset})")
+    return 0
+
+
+def _add_verify(sub) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check that a converted KHA checkpoint reproduces its base model",
+        description="Load BASE and KHA_DIR, run fixed prompts, print max |Δlogit| and both greedy continuations; "
+        "exit non-zero unless logits are identical (float32) or within 1e-2 (half precision).",
+        epilog="example:\n  kha verify ./my-llama ./my-llama-kha --device cpu",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("base", metavar="BASE", help="base checkpoint folder, Hub id or .gguf file")
+    p.add_argument("kha_dir", metavar="KHA_DIR", help="converted KHA checkpoint")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=_run_verify)
+
+
+def _run_verify(args) -> int:
+    from .conversion import verify_conversion
+
+    verify_conversion(args.base, args.kha_dir, device=args.device, dtype=args.dtype)
+    return 0
+
+
+SUBCOMMANDS = [_add_convert, _add_verify]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
     return parser
 
 
@@ -27,7 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KHAError as err:
+        print(f"kha {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kha {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

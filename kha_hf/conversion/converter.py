@@ -1,0 +1,204 @@
+"""`kha convert`: stream-upgrade a base checkpoint to KHA by adding identity knock tensors.
+
+The model is never built: tensor headers give the layout, the original shards are linked or copied byte for byte,
+and the knocks go into one extra safetensors file listed in a merged index. Peak memory is that of the interpreter
+(plus one shard when `dtype` asks for a cast), whatever the checkpoint's size. GGUF sources are the exception:
+they are dequantised through transformers first (see `source.dequantize_gguf`).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from ..configuration_kha import BASE_CONFIG_CLASSES, SUPPORTED_BASE_MODEL_TYPES, KHAConfig, resolve_knock_preset
+from ..errors import KHAError
+from .knock_tensors import initial_knock_tensors, layer_prefix, projection_key
+from .model_card import model_card
+from .output import atomic_output_dir, carry_over_files, copy_model_code, place_file
+from .safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index, shard_files
+from .source import Source, dequantize_gguf, read_config, resolve_source
+
+KNOCKS_FILE = "model-kha-knocks.safetensors"
+SINGLE_SHARD = "model-00001-of-00001.safetensors"
+REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ConversionResult:
+    output: Path
+    base_model: str
+    config: KHAConfig
+    knock_tensors: list[str] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    knock: str = "mlp_v",
+    knock_layers: list[int] | None = None,
+    link: bool = False,
+    dtype: str | None = None,
+    verify: bool = False,
+    push_to_hub: str | None = None,
+    private: bool = False,
+    overwrite: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    progress: bool = True,
+) -> ConversionResult:
+    """Upgrade SRC (folder, Hub id or .gguf) to a KHA checkpoint in DST with identity knocks.
+
+    Args:
+        knock: preset name (mlp_v, linear_v, linear_qkv, mlp_v_linear_qk).
+        knock_layers: layer indices to knock (default: all).
+        link: hard-link the original shards instead of copying them (symlink across file systems).
+        dtype: cast weights to float32/bfloat16/float16 (rewrites shards one at a time); default: keep.
+        verify: load base and KHA models and require identical logits before DST is put in place.
+        push_to_hub: upload the finished folder to this Hub repo id.
+    """
+    try:
+        resolve_knock_preset(knock)  # fail fast, before any download or copy
+    except ValueError as err:
+        raise KHAError(str(err)) from err
+    if dtype is not None and dtype not in DTYPES:
+        raise KHAError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    dst = Path(dst).expanduser()
+    if dst.exists() and not overwrite:
+        raise KHAError(f"{dst} already exists; pass --overwrite to replace it")
+    source = resolve_source(src, revision=revision, token=token)
+    with atomic_output_dir(dst, overwrite=overwrite) as out:
+        if source.gguf_file is not None:
+            with tempfile.TemporaryDirectory(prefix=".kha-gguf-", dir=out.parent) as dequantised:
+                dequantize_gguf(source.gguf_file, Path(dequantised))
+                dequantised_source = Source(Path(dequantised), source.name)
+                # link: the dequantised shards are ours to give away (they vanish with the temporary folder)
+                result = _convert_folder(dequantised_source, out, knock, knock_layers, True, dtype, progress)
+        else:
+            result = _convert_folder(source, out, knock, knock_layers, link, dtype, progress)
+        if verify:
+            from .verify import verify_conversion
+
+            verify_conversion(source.gguf_file or source.folder, out, dtype=dtype or "float32")
+    result.output = dst.absolute()
+    if push_to_hub:
+        from .hub import push_folder
+
+        push_folder(result.output, push_to_hub, private=private, token=token)
+    return result
+
+
+def check_base_config(base_config: dict, folder: Path) -> None:
+    model_type = base_config.get("model_type")
+    if model_type == KHAConfig.model_type:
+        raise KHAError(f"{folder} is already a KHA checkpoint (model_type 'kha')")
+    if model_type not in BASE_CONFIG_CLASSES:
+        raise KHAError(
+            f"unsupported architecture {model_type!r} in {folder}; "
+            f"kha supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
+        )
+    missing = [name for name in REQUIRED_FIELDS if name not in base_config]
+    if missing:
+        raise KHAError(f"{folder / 'config.json'} lacks required fields: {', '.join(missing)}")
+
+
+def check_layout(config: KHAConfig, tensors: dict[str, TensorInfo], prefix: str) -> None:
+    """The weights must match the config: layer count and q/k/v projection shapes."""
+    layers = {int(k[len(prefix) :].split(".")[1]) for k in tensors if k.startswith(f"{prefix}layers.")}
+    if len(layers) != config.num_hidden_layers:
+        raise KHAError(f"config says {config.num_hidden_layers} layers, the weights hold {len(layers)}")
+    d, heads, kv_heads = config.kha_head_dim, config.num_attention_heads, config.num_key_value_heads
+    for target, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+        shape = tensors[projection_key(prefix, 0, target)].shape
+        if shape != (n * d, config.hidden_size):
+            raise KHAError(
+                f"{target}_proj weight has shape {list(shape)}, config implies {[n * d, config.hidden_size]}"
+            )
+
+
+def _convert_folder(
+    source: Source,
+    out: Path,
+    knock: str,
+    knock_layers: list[int] | None,
+    link: bool,
+    dtype: str | None,
+    progress: bool,
+) -> ConversionResult:
+    base_config = read_config(source.folder)
+    check_base_config(base_config, source.folder)
+    try:
+        config = KHAConfig.from_base(base_config, knock=knock, knock_layers=knock_layers)
+    except (ValueError, TypeError) as err:
+        raise KHAError(str(err)) from err
+    tensors = read_checkpoint_index(source.folder)
+    try:
+        prefix = layer_prefix(tensors)
+    except ValueError as err:
+        raise KHAError(f"{source.folder}: {err}") from err
+    check_layout(config, tensors, prefix)
+
+    floats = Counter(info.dtype for info in tensors.values() if info.dtype.is_floating_point)
+    source_dtype = floats.most_common(1)[0][0] if floats else torch.float32
+    target_dtype = DTYPES[dtype] if dtype else source_dtype
+    shards = shard_files(tensors)
+    # transformers reads model.safetensors in preference to an index, so a single-file source gets a shard name
+    renamed = {SINGLE_FILE: SINGLE_SHARD} if shards == [SINGLE_FILE] else {}
+    for name in tqdm(shards, desc="shards", unit="shard", disable=not progress):
+        target = out / renamed.get(name, name)
+        needs_cast = any(
+            info.dtype.is_floating_point and info.dtype != target_dtype
+            for info in tensors.values()
+            if info.file == name
+        )
+        if needs_cast:
+            _write_cast_shard(source.folder / name, target, target_dtype)
+        else:
+            place_file(source.folder / name, target, link)
+
+    knocks = initial_knock_tensors(config, target_dtype, prefix)
+    save_file(knocks, out / KNOCKS_FILE, metadata={"format": "pt"})
+    weight_map = {name: renamed.get(info.file, info.file) for name, info in tensors.items()}
+    weight_map.update(dict.fromkeys(knocks, KNOCKS_FILE))
+    total = sum(
+        _nbytes(info.shape, target_dtype if info.dtype.is_floating_point else info.dtype) for info in tensors.values()
+    )
+    total += sum(t.numel() * t.element_size() for t in knocks.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+    config.dtype = target_dtype
+    config.architectures = ["KHAForCausalLM"]
+    config.to_json_file(out / "config.json")
+    copy_model_code(out)
+    carry_over_files(source.folder, out)
+    (out / "README.md").write_text(model_card(config, source.name))
+    return ConversionResult(out, source.name, config, sorted(knocks), [renamed.get(s, s) for s in shards])
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _write_cast_shard(src: Path, dst: Path, dtype: torch.dtype) -> None:
+    """Rewrite one shard with floating tensors cast to `dtype` (holds one shard in memory)."""
+    with safe_open(src, framework="pt") as f:
+        metadata = f.metadata() or {"format": "pt"}
+        tensors = {}
+        for key in f.keys():
+            tensor = f.get_tensor(key)
+            tensors[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    save_file(tensors, dst, metadata=metadata)

@@ -1,0 +1,26 @@
+"""Uploading a finished folder to the Hugging Face Hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import KHAError
+
+
+def push_folder(folder: Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
+    """Create (or reuse) the model repo and upload every file of `folder`; returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            repo_type="model",
+            folder_path=str(folder),
+            commit_message="Upload KHA checkpoint converted with kha-hf",
+        )
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise KHAError(f"cannot push {folder} to the Hub repo {repo_id!r}: {reason}") from err
+    return str(getattr(commit, "commit_url", commit))

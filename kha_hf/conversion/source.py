@@ -1,0 +1,118 @@
+"""Where a checkpoint comes from: a local folder, a Hub id, or a GGUF file (dequantised to safetensors)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import KHAError
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "LICENSE*"]
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
+
+
+@dataclass(frozen=True)
+class Source:
+    folder: Path  # a folder with config.json and safetensors weights
+    name: str  # what the model card calls the base model: the Hub id or the folder/file name
+    hub_id: str | None = None
+    gguf_file: Path | None = None
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file that `path` is or holds (exactly one), else None."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise KHAError(f"{path} holds several GGUF files; name one: {', '.join(p.name for p in found)}")
+        return found[0] if found else None
+    return None
+
+
+def download_from_hub(repo_id: str, revision: str | None = None, token: str | None = None) -> Path:
+    """Fetch config, tokenizer and safetensors files of a Hub model into the local HF cache."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, token=token, allow_patterns=HUB_PATTERNS))
+    except Exception as err:  # offline, unknown repo, gated, network: all end the same way for the user
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise KHAError(f"cannot fetch {repo_id!r} from the Hugging Face Hub: {reason}") from err
+
+
+def resolve_source(src: str | Path, revision: str | None = None, token: str | None = None) -> Source:
+    """Classify SRC; errors name what was expected."""
+    path = Path(src).expanduser()
+    if path.exists():
+        gguf = find_gguf(path)
+        if gguf is not None:
+            return Source(folder=gguf.parent, name=gguf.name, gguf_file=gguf)
+        if path.is_file():
+            raise KHAError(f"{path} is a file; SRC must be a checkpoint folder, a .gguf file or a Hub id")
+        check_local_folder(path)
+        return Source(folder=path, name=path.resolve().name)
+    if HUB_ID.match(str(src)):
+        return Source(folder=download_from_hub(str(src), revision, token), name=str(src), hub_id=str(src))
+    raise KHAError(f"{src}: no such file or folder, and not a Hub id of the form owner/name")
+
+
+def check_local_folder(folder: Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise KHAError(f"{folder} has no config.json: not a transformers checkpoint folder")
+    has_safetensors = any(folder.glob("*.safetensors"))
+    pickles = [name for name in PICKLE_WEIGHTS if (folder / name).exists()] + [p.name for p in folder.glob("*.bin")]
+    if pickles and not has_safetensors:
+        raise KHAError(
+            f"{folder} holds pickle weights ({pickles[0]}), which kha does not read: pickles can run code and "
+            "cannot be streamed. Re-save as safetensors first: "
+            "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder)"
+        )
+
+
+def read_config(folder: Path) -> dict:
+    if not (folder / "config.json").is_file():
+        raise KHAError(f"{folder} has no config.json: not a transformers checkpoint folder")
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise KHAError(f"{folder / 'config.json'} is not valid JSON: {err}") from err
+
+
+def dequantize_gguf(gguf_file: Path, out: Path) -> None:
+    """Load a GGUF file through transformers (dequantised, float32) and save it as a safetensors checkpoint.
+
+    This is the one conversion path that holds the model in memory: GGUF tensors are quantised blocks that must be
+    decoded whole. transformers refuses to save a model it loaded from GGUF, so the weights move into a model
+    rebuilt from the config without `quantization_config`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = gguf_file.parent, gguf_file.name
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as err:
+        raise KHAError(f"cannot read GGUF file {gguf_file}: {err}") from err
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    model_type = config_dict.pop("model_type")
+    clean_config = AutoConfig.for_model(model_type, **config_dict)
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(clean_config, dtype=torch.float32)
+    clean.load_state_dict(loaded.state_dict(), assign=True)
+    for module_name, module in clean.named_modules():  # non-persistent buffers (rotary inv_freq)
+        for buffer_name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                source = loaded.get_submodule(module_name).get_buffer(buffer_name)
+                module.register_buffer(buffer_name, source, persistent=False)
+    clean.tie_weights()
+    clean.generation_config = loaded.generation_config
+    clean.save_pretrained(out)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,95 @@
+"""`kha verify`: a converted KHA checkpoint must reproduce its base model's logits and greedy tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import KHAError
+
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Knocking heads attention lets attention heads",
+)
+# identity knocks are exact in any dtype; half precision still gets a stated tolerance for kernel differences
+TOLERANCE = {torch.float32: 0.0, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@dataclass
+class VerifyReport:
+    max_abs_diff: float
+    tolerance: float
+    base_tokens: list[list[int]]
+    kha_tokens: list[list[int]]
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.tolerance and self.base_tokens == self.kha_tokens
+
+
+def load_base_model(base: str | Path, dtype: torch.dtype, device: str):
+    """A stock transformers model from a folder, Hub id or GGUF file (dequantised)."""
+    from transformers import AutoModelForCausalLM
+
+    from .source import find_gguf
+
+    path = Path(base)
+    gguf = find_gguf(path) if path.exists() else None
+    kwargs = dict(dtype=dtype, attn_implementation="eager")
+    if gguf is not None:
+        return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(base, **kwargs).to(device).eval()
+
+
+def compare_models(base_model, kha_model, tokenizer, prompts=PROMPTS, max_new_tokens: int = 16) -> tuple:
+    """Max |Δlogit| over the prompts and each model's greedy continuation tokens."""
+    max_diff, base_tokens, kha_tokens = 0.0, [], []
+    device = next(kha_model.parameters()).device
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+        with torch.no_grad():
+            diff = (kha_model(ids).logits.double() - base_model(ids).logits.double()).abs().max().item()
+        max_diff = max(max_diff, diff)
+        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        base_tokens.append(base_model.generate(ids, **kwargs)[0, ids.shape[1] :].tolist())
+        kha_tokens.append(kha_model.generate(ids, **kwargs)[0, ids.shape[1] :].tolist())
+    return max_diff, base_tokens, kha_tokens
+
+
+def verify_conversion(
+    base: str | Path,
+    kha_dir: str | Path,
+    device: str = "cpu",
+    dtype: str = "float32",
+    prompts=PROMPTS,
+    max_new_tokens: int = 16,
+    echo=print,
+) -> VerifyReport:
+    """Load both models, print max |Δlogit| and greedy tokens; raise KHAError unless they agree."""
+    from transformers import AutoTokenizer
+
+    from ..modeling_kha import KHAForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    base_model = load_base_model(base, torch_dtype, device)
+    kha_model = KHAForCausalLM.from_pretrained(kha_dir, dtype=torch_dtype, attn_implementation="eager").to(device)
+    kha_model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(kha_dir)
+    max_diff, base_tokens, kha_tokens = compare_models(base_model, kha_model, tokenizer, prompts, max_new_tokens)
+    report = VerifyReport(max_diff, TOLERANCE[torch_dtype], base_tokens, kha_tokens)
+    echo(f"max |Δlogit| over {len(prompts)} prompts ({dtype}, {device}): {max_diff:.3e} (tolerance {report.tolerance})")
+    for prompt, b, k in zip(prompts, base_tokens, kha_tokens, strict=True):
+        echo(
+            f"  {prompt!r}\n    base: {tokenizer.decode(b)!r}\n"
+            f"    kha:  {tokenizer.decode(k)!r}{'' if b == k else '  <- differs'}"
+        )
+    if not report.ok:
+        raise KHAError(
+            f"verification failed: max |Δlogit| {max_diff:.3e} (tolerance {report.tolerance}), "
+            f"greedy tokens {'equal' if base_tokens == kha_tokens else 'differ'}"
+        )
+    echo("verified: the KHA checkpoint reproduces its base model")
+    return report
