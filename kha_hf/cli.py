@@ -106,7 +106,62 @@ def _run_verify(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_convert, _add_verify]
+def _add_fold(sub) -> None:
+    p = sub.add_parser(
+        "fold",
+        help="absorb KHA-Linear knocks into q/k/v: a plain base-family checkpoint any engine serves",
+        description="Fold every linear knock into its projection (per head, float64) and write a stock checkpoint "
+        "of the base architecture (no remote code). MLP value knocks cannot be folded: refused, or with --partial "
+        "(for mlp_v_linear_qk) Q/K are folded and the output stays a KHA model with the value MLP.",
+        epilog="examples:\n  kha fold ./llama-kha-linear ./llama-folded\n"
+        "  kha fold ./qwen3-kha-mlp-qk ./qwen3-kha-mlp --partial",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("kha_dir", metavar="KHA_DIR")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--partial", action="store_true", help="fold linear Q/K knocks, keep the value MLP")
+    p.add_argument("--link", action="store_true", help="hard-link shards that need no change")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.set_defaults(func=_run_fold)
+
+
+def _run_fold(args) -> int:
+    from .conversion.fold import fold
+
+    result = fold(args.kha_dir, args.out, partial=args.partial, overwrite=args.overwrite, link=args.link)
+    kind = "KHA checkpoint (value MLP kept)" if result.kept_kha else "plain checkpoint"
+    print(f"wrote {result.output}: {kind}, {len(result.folded)} knock tensors folded")
+    return 0
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="show how far each knock moved from identity, per layer (table, JSON, heatmaps)",
+        description="Per layer and knock: Frobenius distance from the initial value, mean diagonal, off-diagonal "
+        "mass, and for MLP gates their mean/std/max. Reads the knock tensors only.",
+        epilog="examples:\n  kha inspect ./smollm2-kha-trained\n  kha inspect ./smollm2-kha-trained --plot knocks.png"
+        "\n  kha inspect ./smollm2-kha-trained --json > knocks.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("kha_dir", metavar="KHA_DIR")
+    p.add_argument("--plot", metavar="PATH.png", help="write a heatmap grid (knocks x layers)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.set_defaults(func=_run_inspect)
+
+
+def _run_inspect(args) -> int:
+    from .conversion.knock_stats import format_table, knock_statistics, plot_knocks, to_json
+
+    rows = knock_statistics(args.kha_dir)
+    print(to_json(rows) if args.json else format_table(rows))
+    if args.plot:
+        path = plot_knocks(args.kha_dir, args.plot)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+SUBCOMMANDS = [_add_convert, _add_verify, _add_fold, _add_inspect]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,144 @@
+"""`kha fold`: absorb KHA-Linear knocks into the q/k/v projections, giving a plain base-family checkpoint.
+
+A linear knock follows its projection directly (before q/k norm and RoPE), so per head h
+`(W_h x + b_h) T = (Tᵀ W_h) x + Tᵀ b_h`. With the nn.Linear convention `knock.weight = Tᵀ`, hence
+`W_h' = knock.weight @ W_h` and `b_h' = knock.weight @ b_h`, computed in float64 and cast back.
+Shards without projections of knocked layers are copied byte for byte; memory is one shard plus the knocks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from ..configuration_kha import KHAConfig
+from ..errors import KHAError
+from .knock_reader import knock_keys, read_kha_config, read_knocks
+from .knock_tensors import KNOCK_KEY, knock_key, layer_prefix, projection_key
+from .model_card import CITATION
+from .output import atomic_output_dir, carry_over_files, copy_model_code, place_file
+from .safetensors_index import INDEX_FILE, read_checkpoint_index, shard_files
+
+
+@dataclass
+class FoldResult:
+    output: Path
+    folded: list[str]  # knock tensors absorbed
+    kept_kha: bool  # True for a partial fold (the output is still a KHA model with an MLP value knock)
+
+
+def fold_projection(weight: torch.Tensor, knock: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """W (n·d, in) or b (n·d,) -> per head `knock @ W_h`, in float64, cast back to W's dtype."""
+    shape = weight.shape
+    heads = weight.reshape(-1, head_dim, *shape[1:]).double()  # (n, d, in) or (n, d)
+    folded = torch.einsum("ij,nj...->ni...", knock.double(), heads)
+    return folded.reshape(shape).to(weight.dtype)
+
+
+def fold(
+    kha_dir: str | Path,
+    out: str | Path,
+    partial: bool = False,
+    overwrite: bool = False,
+    link: bool = False,
+    progress: bool = True,
+) -> FoldResult:
+    """Fold every linear knock of KHA_DIR into its projection and write a stock checkpoint to OUT.
+
+    An MLP value knock is non-linear and cannot be folded: refused, unless `partial=True` with linear Q/K knocks,
+    which folds Q/K and writes a KHA checkpoint that keeps only the value MLP.
+    """
+    kha_dir = Path(kha_dir)
+    config = read_kha_config(kha_dir)
+    linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
+    if config.knock_v == "mlp":
+        if not partial:
+            raise KHAError(
+                "the value knock is an MLP (KHA-MLP), which is non-linear and cannot be folded into v_proj; "
+                + (
+                    "use --partial to fold the linear Q/K knocks and keep a KHA model with the V MLP"
+                    if linear
+                    else "serve this model with transformers and trust_remote_code instead"
+                )
+            )
+        if not linear:
+            raise KHAError("nothing to fold: this model has no linear knocks (only the value MLP)")
+    tensors = read_checkpoint_index(kha_dir)
+    prefix = layer_prefix(tensors)
+    knocks = read_knocks(kha_dir, tensors)
+    head_dim = config.kha_head_dim
+    # (projection tensor name) -> the knock matrix to apply
+    plan: dict[str, torch.Tensor] = {}
+    for layer in config.knocked_layers:
+        for target in linear:
+            knock = knocks[knock_key(prefix, layer, target, "weight")]
+            for part in ("weight", "bias"):
+                name = projection_key(prefix, layer, target, part)
+                if name in tensors:
+                    plan[name] = knock
+    folded_knocks = [k for k in knock_keys(tensors) if KNOCK_KEY.match(k).group("target") in linear]
+    dropped = set(folded_knocks)
+
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        weight_map = {}
+        for file in tqdm(shard_files(tensors), desc="fold shards", unit="shard", disable=not progress):
+            names = [n for n, info in tensors.items() if info.file == file]
+            kept = [n for n in names if n not in dropped]
+            if not kept:
+                continue  # a file of knocks only
+            if len(kept) == len(names) and not any(n in plan for n in names):
+                place_file(kha_dir / file, tmp / file, link)
+            else:
+                with safe_open(kha_dir / file, framework="pt") as f:
+                    metadata = f.metadata() or {"format": "pt"}
+                    new = {}
+                    for name in kept:
+                        tensor = f.get_tensor(name)
+                        new[name] = fold_projection(tensor, plan[name], head_dim) if name in plan else tensor
+                save_file(new, tmp / file, metadata=metadata)
+            weight_map.update(dict.fromkeys(kept, file))
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        carry_over_files(kha_dir, tmp)
+        if partial:
+            remaining = KHAConfig(**{**config.to_dict(), **{f"knock_{t}": "none" for t in linear}})
+            remaining.architectures = ["KHAForCausalLM"]
+            remaining.to_json_file(tmp / "config.json")
+            copy_model_code(tmp)
+        else:
+            base = config.to_base_config()
+            base.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.base_model_type]]
+            base.dtype = config.dtype
+            base.to_json_file(tmp / "config.json")
+        (tmp / "README.md").write_text(_card(config, linear, partial))
+    return FoldResult(Path(out).absolute(), folded_knocks, partial)
+
+
+def _card(config: KHAConfig, folded: list[str], partial: bool) -> str:
+    what = "a KHA checkpoint whose value MLP remains" if partial else f"a plain `{config.base_model_type}` checkpoint"
+    return f"""---
+library_name: transformers
+tags:
+- kha
+- knocking-heads-attention
+- kha-hf
+- {config.base_model_type}
+---
+
+# KHA-Linear model, folded
+
+The linear knocks ({", ".join(t.upper() for t in folded)}) of a Knocking-Heads Attention model
+([arXiv 2510.23052](https://arxiv.org/abs/2510.23052)) were absorbed into the q/k/v projections by
+`kha fold`, giving {what}: it computes what the KHA model computed, at no extra cost.
+
+```bibtex
+{CITATION}
+```
+"""

@@ -1,0 +1,113 @@
+"""`kha inspect`: how far each knock moved from its identity start, per layer, as a table, JSON or heatmaps.
+
+For a knock matrix T (the map applied to head features; stored transposed as `weight`) with initial value T0
+(I, or 0 for the MLP gate):
+- distance: ‖T − T0‖_F
+- mean_diag: mean of diag(T)
+- offdiag_mass: Σ_{i≠j} |T_ij| / Σ |T_ij|  (0 for a diagonal matrix)
+For MLP gates also their mean, std and max |value| (the gate is 2·sigmoid(V W_gate): 0 weights mean gate 1).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .knock_reader import read_kha_config, read_knocks
+from .knock_tensors import KNOCK_KEY, KNOCK_PARTS
+
+
+def matrix_stats(weight: torch.Tensor, start: str) -> dict[str, float]:
+    t = weight.double().T  # T itself
+    eye = torch.eye(t.shape[0], dtype=t.dtype)
+    initial = eye if start == "identity" else torch.zeros_like(t)
+    total = t.abs().sum().item()
+    off = (t * (1 - eye)).abs().sum().item()
+    stats = {
+        "distance": torch.linalg.norm(t - initial).item(),
+        "mean_diag": t.diagonal().mean().item(),
+        "offdiag_mass": off / total if total > 0 else 0.0,
+    }
+    if start == "zeros":
+        stats.update(mean=t.mean().item(), std=t.std().item(), max_abs=t.abs().max().item())
+    return stats
+
+
+def knock_statistics(kha_dir: str | Path) -> list[dict]:
+    """One row per (layer, knock part): layer, knock (q / k / v / v.up / v.gate / v.down) and the stats."""
+    kha_dir = Path(kha_dir)
+    config = read_kha_config(kha_dir)
+    rows = []
+    for name, tensor in read_knocks(kha_dir).items():
+        match = KNOCK_KEY.match(name)
+        target, part = match.group("target"), match.group("part")
+        kind = getattr(config, f"knock_{target}")
+        start = dict(KNOCK_PARTS[kind])[part]
+        label = target if kind == "linear" else f"{target}.{part.removesuffix('.weight')}"
+        rows.append({"layer": int(match.group("layer")), "knock": label, **matrix_stats(tensor, start)})
+    order = {"q": 0, "k": 1, "v": 2, "v.up": 3, "v.gate": 4, "v.down": 5}
+    return sorted(rows, key=lambda r: (r["layer"], order.get(r["knock"], 9)))
+
+
+def format_table(rows: list[dict]) -> str:
+    header = f"{'layer':>5}  {'knock':<7} {'‖T−T0‖_F':>9} {'mean diag':>9} {'off-diag':>8}  gate mean/std/max|.|"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        gate = f"  {r['mean']:+.4f}/{r['std']:.4f}/{r['max_abs']:.4f}" if "mean" in r else ""
+        numbers = f"{r['distance']:>9.4f} {r['mean_diag']:>9.4f} {r['offdiag_mass']:>8.4f}"
+        lines.append(f"{r['layer']:>5}  {r['knock']:<7} {numbers}{gate}")
+    return "\n".join(lines)
+
+
+def to_json(rows: list[dict]) -> str:
+    return json.dumps(rows, indent=2)
+
+
+def plot_knocks(kha_dir: str | Path, path: str | Path, max_layers: int = 8) -> Path:
+    """A heatmap grid, rows = knocks, columns = layers (up to `max_layers`, evenly spaced): T − T0 per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kha_dir = Path(kha_dir)
+    config = read_kha_config(kha_dir)
+    cells: dict[tuple[str, int], torch.Tensor] = {}
+    for name, tensor in read_knocks(kha_dir).items():
+        m = KNOCK_KEY.match(name)
+        target, part = m.group("target"), m.group("part")
+        kind = getattr(config, f"knock_{target}")
+        start = dict(KNOCK_PARTS[kind])[part]
+        label = target if kind == "linear" else f"{target}.{part.removesuffix('.weight')}"
+        t = tensor.double().T
+        cells[(label, int(m.group("layer")))] = t - (torch.eye(t.shape[0]) if start == "identity" else 0)
+    knocks = sorted({k for k, _ in cells}, key=["q", "k", "v", "v.up", "v.gate", "v.down"].index)
+    layers = sorted({layer for _, layer in cells})
+    if len(layers) > max_layers:
+        step = (len(layers) - 1) / (max_layers - 1)
+        layers = sorted({layers[round(i * step)] for i in range(max_layers)})
+    scale = max((v.abs().max().item() for v in cells.values()), default=1.0) or 1.0
+    fig, axes = plt.subplots(
+        len(knocks), len(layers), figsize=(1.6 * len(layers) + 1, 1.6 * len(knocks) + 0.6), squeeze=False
+    )
+    image = None
+    for i, knock in enumerate(knocks):
+        for j, layer in enumerate(layers):
+            ax = axes[i][j]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if (knock, layer) in cells:
+                image = ax.imshow(cells[(knock, layer)].numpy(), cmap="RdBu_r", vmin=-scale, vmax=scale)
+            if i == 0:
+                ax.set_title(f"layer {layer}", fontsize=8)
+            if j == 0:
+                ax.set_ylabel(knock, fontsize=9)
+    fig.suptitle(f"learned knocks minus their initial value (T − T0), {kha_dir.name}", fontsize=10)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.8)
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
