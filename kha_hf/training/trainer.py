@@ -1,0 +1,59 @@
+"""KHATrainer: transformers' Trainer with knocks kept out of weight decay, an optional knock learning rate, and
+knock / throughput metrics in every training log."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from transformers import Trainer, TrainerCallback
+
+from ..conversion.output import copy_model_code
+from ..params import is_knock_parameter, knock_distance_from_init
+
+
+class KHATrainer(Trainer):
+    def __init__(self, *args, knock_lr: float | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.knock_lr = knock_lr
+        self._last_log = (time.perf_counter(), 0)
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        # Decay pulls toward 0, but a knock's neutral value is the identity: never decay knocks.
+        return [name for name in super().get_decay_parameter_names(model) if not is_knock_parameter(name)]
+
+    def create_optimizer(self, model=None):
+        if self.knock_lr is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        params = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in params if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in params if n not in decay and not is_knock_parameter(n)], "weight_decay": 0.0},
+            {"params": [p for n, p in params if is_knock_parameter(n)], "weight_decay": 0.0, "lr": self.knock_lr},
+        ]
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        self.optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
+        return self.optimizer
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log: add what KHA users watch
+            logs["knock_distance"] = round(knock_distance_from_init(self.model), 6)
+            now, tokens = time.perf_counter(), int(self.state.num_input_tokens_seen or 0)
+            last_time, last_tokens = self._last_log
+            if tokens > last_tokens and now > last_time:
+                logs["tokens_per_second"] = round((tokens - last_tokens) / (now - last_time), 1)
+            self._last_log = (now, tokens)
+        super().log(logs, start_time)
+
+
+class CheckpointCodeCallback(TrainerCallback):
+    """Make every intermediate checkpoint of a full KHA model loadable with trust_remote_code: copy the code
+    files and a config with auto_map if the save did not (models built without kha_hf's auto registration)."""
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir() and (folder / "config.json").exists() and not (folder / "modeling_kha.py").exists():
+            copy_model_code(folder)
+        return control

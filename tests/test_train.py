@@ -1,0 +1,183 @@
+"""`kha train`: each mode on a tiny model; knocks-only changes only knocks; checkpoints load as remote code."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from kha_hf import KHAForCausalLM
+from kha_hf.training.data import read_documents
+from kha_hf.training.tokenizer import train_bpe_tokenizer
+from kha_hf.training.train import train
+
+STEPS = dict(seq_len=64, batch_size=4, disable_tqdm=True, logging_steps=2)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Two plays of the embedded corpus, cut short, as .md files, and a tokenizer trained on them."""
+    folder = tmp_path_factory.mktemp("corpus")
+    docs = read_documents(None)[:2]
+    for i, doc in enumerate(docs):
+        (folder / f"play{i}.md").write_text(doc[:60000])
+    return folder, train_bpe_tokenizer(docs, 512)
+
+
+@pytest.fixture(scope="module")
+def kha_dir(corpus, tmp_path_factory):
+    """A tiny Qwen3 KHA model, briefly pretrained (full mode) so that knock training has signal to follow."""
+    data, tokenizer = corpus
+    root = tmp_path_factory.mktemp("model")
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+    kha = KHAForCausalLM.from_base(Qwen3ForCausalLM(config), knock="mlp_v_linear_qk")
+    kha.save_pretrained(root / "init")
+    tokenizer.save_pretrained(root / "init")
+    train(root / "init", root / "warm", data=[str(data)], mode="full", max_steps=12, lr=3e-3, **STEPS)
+    return root / "warm"
+
+
+def _heldout_loss(model_dir, data) -> float:
+    return train(
+        model_dir, Path(model_dir).parent / "probe", data=[str(data)], mode="knocks", max_steps=1, lr=1e-12, **STEPS
+    ).heldout_loss
+
+
+def test_full_mode_lowers_the_loss(corpus, kha_dir, tmp_path):
+    data, _ = corpus
+    result = train(kha_dir, tmp_path / "full", data=[str(data)], mode="full", max_steps=10, lr=3e-3, **STEPS)
+    losses = [h["loss"] for h in result.log_history if "loss" in h]
+    assert losses[-1] < losses[0], losses
+    assert (tmp_path / "full" / "modeling_kha.py").exists()
+
+
+def test_knocks_mode_trains_only_knocks_and_lowers_heldout_loss(corpus, kha_dir, tmp_path):
+    data, _ = corpus
+    before = load_file(kha_dir / "model.safetensors")
+    start_loss = _heldout_loss(kha_dir, data)
+    result = train(kha_dir, tmp_path / "knocks", data=[str(data)], mode="knocks", max_steps=20, lr=1e-2, **STEPS)
+    after = load_file(tmp_path / "knocks" / "model.safetensors")
+    assert set(after) == set(before)
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert moved and all("_knock." in k for k in moved), [k for k in moved if "_knock." not in k]
+    assert any("q_knock" in k for k in moved) and any("v_knock" in k for k in moved)
+    logs = [h for h in result.log_history if "loss" in h]
+    assert logs[-1]["knock_distance"] > 0 and "tokens_per_second" in logs[-1] and "learning_rate" in logs[-1]
+    assert result.heldout_loss < start_loss, (result.heldout_loss, start_loss)
+
+
+def test_knocks_get_no_weight_decay_and_their_own_lr(corpus, kha_dir, tmp_path):
+    from kha_hf.training.modes import prepare_for_mode
+    from kha_hf.training.train import paper_training_arguments
+    from kha_hf.training.trainer import KHATrainer
+
+    model = prepare_for_mode(KHAForCausalLM.from_pretrained(kha_dir), "full")
+    trainer = KHATrainer(model=model, args=paper_training_arguments(tmp_path, max_steps=1), knock_lr=7e-3)
+    optimizer = trainer.create_optimizer()
+    knock_params = {id(p) for n, p in model.named_parameters() if "_knock." in n}
+    for group in optimizer.param_groups:
+        ids = {id(p) for p in group["params"]}
+        if ids & knock_params:
+            assert ids == knock_params and group["weight_decay"] == 0.0 and group["lr"] == 7e-3
+    assert not any("_knock." in n for n in trainer.get_decay_parameter_names(model))
+
+
+def test_lora_mode_saves_adapter_that_reloads_exactly_and_merges(corpus, kha_dir, tmp_path):
+    from peft import PeftModel
+
+    data, _ = corpus
+    result = train(kha_dir, tmp_path / "lora", data=[str(data)], mode="lora", max_steps=6, lr=5e-3, **STEPS)
+    assert (result.adapter_dir / "adapter_model.safetensors").exists()
+    adapter = load_file(result.adapter_dir / "adapter_model.safetensors")
+    assert any("v_knock" in k for k in adapter) and any("lora_A" in k for k in adapter)
+
+    reloaded = PeftModel.from_pretrained(KHAForCausalLM.from_pretrained(kha_dir), result.adapter_dir).eval()
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        adapter_logits = reloaded(ids).logits
+        again = PeftModel.from_pretrained(KHAForCausalLM.from_pretrained(kha_dir), result.adapter_dir).eval()
+        assert torch.equal(again(ids).logits, adapter_logits), "adapter reload is not deterministic"
+        merged = KHAForCausalLM.from_pretrained(tmp_path / "lora")(ids).logits
+        base = KHAForCausalLM.from_pretrained(kha_dir)(ids).logits
+    assert (merged - adapter_logits).abs().max() < 1e-4, "merged checkpoint differs from base + adapter"
+    assert (adapter_logits - base).abs().max() > 1e-4, "LoRA training changed nothing"
+
+
+def test_every_checkpoint_loads_as_remote_code_in_a_fresh_process(corpus, kha_dir, tmp_path):
+    data, _ = corpus
+    out = tmp_path / "run"
+    train(kha_dir, out, data=[str(data)], mode="knocks", max_steps=4, save_steps=2, lr=1e-2, **STEPS)
+    folders = sorted(out.glob("checkpoint-*")) + [out]
+    assert len(folders) == 3
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["kha_hf"] = None
+        from transformers import AutoModelForCausalLM
+        for folder in {[str(f) for f in folders]!r}:
+            model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+            assert type(model).__module__.startswith("transformers_modules"), folder
+        print("ALL_LOADED")
+        """
+    )
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_MODULES_CACHE", None)
+    proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "ALL_LOADED" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_runs_under_accelerate_launch_with_one_cpu_process(corpus, kha_dir, tmp_path):
+    data, _ = corpus
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--cpu",
+        "-m",
+        "kha_hf",
+        "train",
+        str(kha_dir),
+        "--output",
+        str(tmp_path / "acc"),
+        "--data",
+        str(data),
+        "--max-steps",
+        "3",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "2",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ACCELERATE_CONFIG_FILE": str(tmp_path / "none.yaml")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "held-out loss" in proc.stdout
+    assert (tmp_path / "acc" / "model.safetensors").exists()
+
+
+def test_default_data_is_the_embedded_corpus_with_a_heldout_split(corpus):
+    from kha_hf.training.data import train_heldout_split
+
+    _, tokenizer = corpus
+    docs = read_documents(None)
+    assert len(docs) >= 30 and sum(map(len, docs)) > 4_000_000
+    train_set, heldout = train_heldout_split(docs[-3:], tokenizer, 128)
+    assert len(heldout) >= 1 and len(train_set) > 10 * len(heldout)
+    assert not torch.equal(train_set[len(train_set) - 1]["input_ids"], heldout[0]["input_ids"])
