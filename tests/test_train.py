@@ -181,3 +181,53 @@ def test_default_data_is_the_embedded_corpus_with_a_heldout_split(corpus):
     train_set, heldout = train_heldout_split(docs[-3:], tokenizer, 128)
     assert len(heldout) >= 1 and len(train_set) > 10 * len(heldout)
     assert not torch.equal(train_set[len(train_set) - 1]["input_ids"], heldout[0]["input_ids"])
+
+
+def test_ab_runs_twins_from_the_same_start_and_writes_its_report(tmp_path, capsys):
+    import csv
+    import json
+
+    from kha_hf.cli import main
+
+    config = Qwen3Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+    config.save_pretrained(tmp_path / "cfg")
+    plays = read_documents(None)[:2]
+    (tmp_path / "data.md").write_text("\n".join(p[:40000] for p in plays))
+    argv = [
+        "ab",
+        str(tmp_path / "cfg"),
+        "--knock",
+        "linear_qkv",
+        "--output",
+        str(tmp_path / "ab"),
+        "--max-steps",
+        "6",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "4",
+        "--data",
+        str(tmp_path / "data.md"),
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Δ (KHA−base)" in out and "held-out loss" in out
+    rows = list(csv.DictReader(open(tmp_path / "ab" / "loss_curves.csv")))
+    assert len(rows) == 6 and set(rows[0]) == {"step", "baseline_loss", "kha_loss"}
+    # identical start: identity knocks on a copy of the baseline's initial weights, same first batch
+    assert rows[0]["baseline_loss"] == rows[0]["kha_loss"]
+    assert rows[-1]["baseline_loss"] != rows[-1]["kha_loss"]
+    summary = json.loads((tmp_path / "ab" / "summary.json").read_text())
+    assert summary["delta_heldout_loss"] == pytest.approx(
+        summary["kha"]["heldout_loss"] - summary["baseline"]["heldout_loss"]
+    )
+    assert (tmp_path / "ab" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
