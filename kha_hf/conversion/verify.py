@@ -30,20 +30,6 @@ class VerifyReport:
         return self.max_abs_diff <= self.tolerance and self.base_tokens == self.kha_tokens
 
 
-def load_base_model(base: str | Path, dtype: torch.dtype, device: str):
-    """A stock transformers model from a folder, Hub id or GGUF file (dequantised)."""
-    from transformers import AutoModelForCausalLM
-
-    from .source import find_gguf
-
-    path = Path(base)
-    gguf = find_gguf(path) if path.exists() else None
-    kwargs = dict(dtype=dtype, attn_implementation="eager")
-    if gguf is not None:
-        return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs).to(device).eval()
-    return AutoModelForCausalLM.from_pretrained(base, **kwargs).to(device).eval()
-
-
 def compare_models(base_model, kha_model, tokenizer, prompts=PROMPTS, max_new_tokens: int = 16) -> tuple:
     """Max |Δlogit| over the prompts and each model's greedy continuation tokens."""
     max_diff, base_tokens, kha_tokens = 0.0, [], []
@@ -69,17 +55,14 @@ def verify_conversion(
     echo=print,
 ) -> VerifyReport:
     """Load both models, print max |Δlogit| and greedy tokens; raise KHAError unless they agree."""
-    from transformers import AutoTokenizer
+    from ..loading import load_causal_lm, torch_dtype
 
-    from ..modeling_kha import KHAForCausalLM
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    base_model = load_base_model(base, torch_dtype, device)
-    kha_model = KHAForCausalLM.from_pretrained(kha_dir, dtype=torch_dtype, attn_implementation="eager").to(device)
-    kha_model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(kha_dir)
+    base_model, _ = load_causal_lm(base, dtype, device, attn_implementation="eager")
+    kha_model, tokenizer = load_causal_lm(kha_dir, dtype, device, attn_implementation="eager")
+    if getattr(kha_model.config, "model_type", None) != "kha":
+        raise KHAError(f"{kha_dir} is not a KHA checkpoint")
     max_diff, base_tokens, kha_tokens = compare_models(base_model, kha_model, tokenizer, prompts, max_new_tokens)
-    report = VerifyReport(max_diff, TOLERANCE[torch_dtype], base_tokens, kha_tokens)
+    report = VerifyReport(max_diff, TOLERANCE[torch_dtype(dtype)], base_tokens, kha_tokens)
     echo(f"max |Δlogit| over {len(prompts)} prompts ({dtype}, {device}): {max_diff:.3e} (tolerance {report.tolerance})")
     for prompt, b, k in zip(prompts, base_tokens, kha_tokens, strict=True):
         echo(

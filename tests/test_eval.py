@@ -1,0 +1,146 @@
+"""`kha eval`: lm-eval wiring, local task copies, the comparison table, and a real SmolLM2 check."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from kha_hf.errors import KHAError
+from kha_hf.evaluation.compare import ModelResult, comparison_rows, markdown_table, summarize
+from kha_hf.evaluation.local_tasks import LOCAL_TASK_NAMES, local_task_configs
+from kha_hf.evaluation.perplexity import strided_perplexity
+from kha_hf.evaluation.suites import SUITES, resolve_tasks
+
+
+@pytest.fixture(scope="module")
+def task_manager():
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+def test_every_offline_task_renders_lm_eval_prompts_from_the_local_copy(task_manager):
+    from lm_eval.api.task import ConfigurableTask
+
+    configs, groups = local_task_configs(list(LOCAL_TASK_NAMES), task_manager)
+    assert len(groups["mmlu"]) == 57
+    names = {c["task"] for c in configs}
+    assert set(LOCAL_TASK_NAMES) - {"mmlu"} <= names
+    for config in configs:
+        if config["task"].startswith("mmlu_") and config["task"] not in ("mmlu_anatomy", "mmlu_virology"):
+            continue  # two subjects stand for all 57: same template
+        task = ConfigurableTask(config=config)
+        docs = list(task.test_docs() if task.has_test_docs() else task.validation_docs())
+        assert len(docs) > 10, config["task"]
+        doc = docs[0]
+        text, target, choices = task.doc_to_text(doc), task.doc_to_target(doc), task.doc_to_choice(doc)
+        assert isinstance(choices, list) and len(choices) >= 2, config["task"]
+        if isinstance(text, int):  # winogrande: choices are contexts, the text is the gold one's index
+            assert 0 <= text < len(choices) and isinstance(target, str) and target.strip()
+            continue
+        assert text.strip(), config["task"]
+        index = target if isinstance(target, int) else choices.index(target)
+        assert 0 <= index < len(choices), (config["task"], target, choices)
+
+
+def test_local_mode_rejects_tasks_without_a_copy(task_manager):
+    with pytest.raises(KHAError, match="no local copy of gsm8k"):
+        local_task_configs(["gsm8k"], task_manager)
+
+
+def test_suites():
+    assert {"mmlu", "arc_easy", "arc_challenge", "hellaswag", "piqa", "commonsense_qa", "race", "gsm8k"} <= set(
+        SUITES["paper"]
+    )
+    assert set(SUITES["quick"]) <= set(LOCAL_TASK_NAMES)
+    assert resolve_tasks(None, None) == SUITES["quick"]
+    with pytest.raises(KHAError, match="unknown suite"):
+        resolve_tasks(None, "everything")
+
+
+def test_summary_aggregates_groups_and_table_flags_significance():
+    results = {
+        "mmlu_a": {"acc,none": 0.5, "acc_stderr,none": 0.1},
+        "mmlu_b": {"acc,none": 0.2, "acc_stderr,none": 0.05},
+        "arc_easy": {"acc,none": 0.6, "acc_stderr,none": 0.01, "acc_norm,none": 0.55, "acc_norm_stderr,none": 0.01},
+    }
+    n = {"mmlu_a": {"effective": 10}, "mmlu_b": {"effective": 30}, "arc_easy": {"effective": 100}}
+    metrics = summarize(results, {"mmlu": ["mmlu_a", "mmlu_b"]}, n)
+    assert set(metrics) == {("mmlu", "acc"), ("arc_easy", "acc"), ("arc_easy", "acc_norm")}
+    acc, se = metrics[("mmlu", "acc")]
+    assert acc == pytest.approx((0.5 * 10 + 0.2 * 30) / 40)
+    assert se == pytest.approx(math.sqrt((10 * 0.1) ** 2 + (30 * 0.05) ** 2) / 40)
+
+    base = ModelResult("baseline", "a", {("t", "acc"): (0.50, 0.01), ("u", "acc"): (0.50, 0.05)})
+    cand = ModelResult("candidate", "b", {("t", "acc"): (0.56, 0.01), ("u", "acc"): (0.52, 0.05)})
+    rows = {r["task"]: r for r in comparison_rows(base, cand)}
+    assert rows["t"]["significant"] and not rows["u"]["significant"]
+    assert rows["t"]["delta"] == pytest.approx(0.06)
+    table = markdown_table(list(rows.values()), base, cand)
+    assert "| t | acc | 0.5000 ± 0.0100 | 0.5600 ± 0.0100 | +0.0600 | yes |" in table
+    single = markdown_table(comparison_rows(None, cand), None, cand)
+    assert single.splitlines()[0] == "| task | metric | candidate |"
+
+
+def test_strided_perplexity_matches_a_full_window_forward():
+    from kha_hf import KHAForCausalLM
+    from kha_hf.training.tokenizer import train_bpe_tokenizer
+    from tests.helpers import tiny_base_model
+
+    text = "to be or not to be that is the question " * 20
+    tokenizer = train_bpe_tokenizer([text], 300)
+    model = KHAForCausalLM.from_base(tiny_base_model("llama"))
+    model.resize_token_embeddings(len(tokenizer))
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = math.exp(model(ids, labels=ids).loss.item())
+    ppl, scored = strided_perplexity(model, tokenizer, text, max_length=256, stride=128)
+    assert scored == ids.shape[1] - 1
+    assert ppl == pytest.approx(expected, rel=1e-4)  # one window covers the text: identical to a full forward
+    windowed, scored_windowed = strided_perplexity(model, tokenizer, text, max_length=32, stride=16)
+    assert scored_windowed == scored  # overlapping windows still score every token exactly once
+    assert windowed == pytest.approx(expected, rel=0.2)
+
+
+@pytest.mark.slow
+def test_smollm2_and_its_kha_conversion_score_identically(tmp_path):
+    from kha_hf.assets import smollm2_gguf
+    from kha_hf.cli import main
+    from kha_hf.conversion import convert
+
+    gguf = smollm2_gguf()
+    kha = convert(gguf, tmp_path / "smollm2-kha", progress=False).output
+    (tmp_path / "text.txt").write_text(
+        "Shall I compare thee to a summer's day? Thou art more lovely and more temperate."
+    )
+    argv = [
+        "eval",
+        "--baseline",
+        str(gguf),
+        "--candidate",
+        str(kha),
+        "--tasks",
+        "arc_easy",
+        "copa",
+        "--limit",
+        "8",
+        "--local-data",
+        "--output",
+        str(tmp_path / "eval"),
+        "--perplexity",
+        str(tmp_path / "text.txt"),
+    ]
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    rows = summary["rows"]
+    assert {r["task"] for r in rows} == {"arc_easy", "copa"}
+    for row in rows:
+        assert row["baseline"] == row["candidate"] and row["delta"] == 0 and not row["significant"], row
+    ppl = summary["perplexity"]
+    assert ppl["baseline"]["perplexity"] == ppl["candidate"]["perplexity"] > 1
+    table = (tmp_path / "eval" / "table.md").read_text()
+    assert "| arc_easy | acc |" in table and "| copa | acc |" in table and "+0.0000 | no |" in table
+    raw = json.loads((tmp_path / "eval" / "candidate_lm_eval.json").read_text())
+    assert raw["results"]["arc_easy"]["sample_len"] == 8 and "n-samples" in raw
+    assert (tmp_path / "eval" / "baseline_lm_eval.json").exists()
