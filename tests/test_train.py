@@ -16,6 +16,20 @@ from kha_hf.training.data import read_documents
 from kha_hf.training.tokenizer import train_bpe_tokenizer
 from kha_hf.training.train import train
 
+
+def tiny_qwen3(vocab_size: int) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+
+
 STEPS = dict(seq_len=64, batch_size=4, disable_tqdm=True, logging_steps=2)
 
 
@@ -35,16 +49,7 @@ def kha_dir(corpus, tmp_path_factory):
     data, tokenizer = corpus
     root = tmp_path_factory.mktemp("model")
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen3(vocab_size=512)
     kha = KHAForCausalLM.from_base(Qwen3ForCausalLM(config), knock="mlp_v_linear_qk")
     kha.save_pretrained(root / "init")
     tokenizer.save_pretrained(root / "init")
@@ -118,10 +123,12 @@ def test_lora_mode_saves_adapter_that_reloads_exactly_and_merges(corpus, kha_dir
     assert (adapter_logits - base).abs().max() > 1e-4, "LoRA training changed nothing"
 
 
-def test_every_checkpoint_loads_as_remote_code_in_a_fresh_process(corpus, kha_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["knocks", "lora"])
+def test_every_checkpoint_loads_as_remote_code_in_a_fresh_process(corpus, kha_dir, tmp_path, mode):
+    # lora checkpoints are adapters: transformers loads their KHA base (remote code) and applies them
     data, _ = corpus
     out = tmp_path / "run"
-    train(kha_dir, out, data=[str(data)], mode="knocks", max_steps=4, save_steps=2, lr=1e-2, **STEPS)
+    train(kha_dir, out, data=[str(data)], mode=mode, max_steps=4, save_steps=2, lr=1e-2, **STEPS)
     folders = sorted(out.glob("checkpoint-*")) + [out]
     assert len(folders) == 3
     script = textwrap.dedent(
@@ -189,16 +196,7 @@ def test_ab_runs_twins_from_the_same_start_and_writes_its_report(tmp_path, capsy
 
     from kha_hf.cli import main
 
-    config = Qwen3Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen3(vocab_size=300)
     config.save_pretrained(tmp_path / "cfg")
     plays = read_documents(None)[:2]
     (tmp_path / "data.md").write_text("\n".join(p[:40000] for p in plays))

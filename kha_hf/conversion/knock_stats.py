@@ -35,20 +35,28 @@ def matrix_stats(weight: torch.Tensor, start: str) -> dict[str, float]:
     return stats
 
 
-def knock_statistics(kha_dir: str | Path) -> list[dict]:
-    """One row per (layer, knock part): layer, knock (q / k / v / v.up / v.gate / v.down) and the stats."""
-    kha_dir = Path(kha_dir)
+LABEL_ORDER = ["q", "k", "v", "v.up", "v.gate", "v.down"]
+
+
+def knock_matrices(kha_dir: Path) -> list[tuple[int, str, str, torch.Tensor]]:
+    """(layer, label, initial value, weight) for every knock matrix; labels q / k / v / v.up / v.gate / v.down."""
     config = read_kha_config(kha_dir)
-    rows = []
+    found = []
     for name, tensor in read_knocks(kha_dir).items():
         match = KNOCK_KEY.match(name)
         target, part = match.group("target"), match.group("part")
         kind = getattr(config, f"knock_{target}")
-        start = dict(KNOCK_PARTS[kind])[part]
         label = target if kind == "linear" else f"{target}.{part.removesuffix('.weight')}"
-        rows.append({"layer": int(match.group("layer")), "knock": label, **matrix_stats(tensor, start)})
-    order = {"q": 0, "k": 1, "v": 2, "v.up": 3, "v.gate": 4, "v.down": 5}
-    return sorted(rows, key=lambda r: (r["layer"], order.get(r["knock"], 9)))
+        found.append((int(match.group("layer")), label, dict(KNOCK_PARTS[kind])[part], tensor))
+    return sorted(found, key=lambda item: (item[0], LABEL_ORDER.index(item[1])))
+
+
+def knock_statistics(kha_dir: str | Path) -> list[dict]:
+    """One row per (layer, knock part): layer, knock (q / k / v / v.up / v.gate / v.down) and the stats."""
+    return [
+        {"layer": layer, "knock": label, **matrix_stats(weight, start)}
+        for layer, label, start, weight in knock_matrices(Path(kha_dir))
+    ]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -73,17 +81,11 @@ def plot_knocks(kha_dir: str | Path, path: str | Path, max_layers: int = 8) -> P
     import matplotlib.pyplot as plt
 
     kha_dir = Path(kha_dir)
-    config = read_kha_config(kha_dir)
     cells: dict[tuple[str, int], torch.Tensor] = {}
-    for name, tensor in read_knocks(kha_dir).items():
-        m = KNOCK_KEY.match(name)
-        target, part = m.group("target"), m.group("part")
-        kind = getattr(config, f"knock_{target}")
-        start = dict(KNOCK_PARTS[kind])[part]
-        label = target if kind == "linear" else f"{target}.{part.removesuffix('.weight')}"
-        t = tensor.double().T
-        cells[(label, int(m.group("layer")))] = t - (torch.eye(t.shape[0]) if start == "identity" else 0)
-    knocks = sorted({k for k, _ in cells}, key=["q", "k", "v", "v.up", "v.gate", "v.down"].index)
+    for layer, label, start, weight in knock_matrices(kha_dir):
+        t = weight.double().T
+        cells[(label, layer)] = t - (torch.eye(t.shape[0]) if start == "identity" else 0)
+    knocks = sorted({k for k, _ in cells}, key=LABEL_ORDER.index)
     layers = sorted({layer for _, layer in cells})
     if len(layers) > max_layers:
         step = (len(layers) - 1) / (max_layers - 1)

@@ -76,6 +76,8 @@ def train(
 ) -> TrainResult:
     """Train MODEL_PATH (a KHA checkpoint) and save the result to OUTPUT_DIR; returns final losses."""
     output_dir = Path(output_dir)
+    if Path(model_path).exists():  # adapters record their base model's path: make it absolute
+        model_path = Path(model_path).resolve()
     try:
         model = KHAForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if bf16 else torch.float32)
     except (OSError, ValueError) as err:

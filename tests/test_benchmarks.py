@@ -1,0 +1,26 @@
+"""The benchmark scripts keep working: each runs its --quick mode (no timing is asserted, only that it reports)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize(
+    "script, expected",
+    [
+        ("train_step.py", ["ratio vs baseline", "mlp_v_linear_qk"]),
+        ("decode.py", ["per-token decode", "linear_qkv folded", "aten ops / step"]),
+        ("convert_memory.py", ["kha convert (copy)", "naive load-modify-save"]),
+    ],
+)
+def test_benchmark_quick_mode_reports(script, expected):
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for text in expected:
+        assert text in out.stdout, out.stdout
