@@ -34,6 +34,12 @@ elif mode == "stream":
 elif mode == "stream-link":
     from kha_hf.conversion import convert
     convert(src, dst, knock="mlp_v", link=True, progress=False)
+elif mode == "prepare-linear":
+    from kha_hf.conversion import convert
+    convert(src, dst, knock="linear_qkv", link=True, progress=False)
+elif mode == "fold":
+    from kha_hf.conversion.fold import fold
+    fold(src, dst, progress=False)
 elif mode == "naive":
     import torch
     from kha_hf import KHAForCausalLM
@@ -155,8 +161,17 @@ def main() -> None:
                     "stream-link": "kha convert --link",
                 }[mode]
                 print(f"| {gib:.2f} GiB bf16 | {label} | {r['rss_mib']:.0f} | {r['seconds']:.1f} | {ratio:.2f}x |")
-            for mode in rows:
+            # fold reads one shard at a time: its peak grows with the largest shard, not with the model
+            measure("prepare-linear", src, work / "linear")
+            r = measure("fold", work / "linear", work / "out-fold")
+            shard = max(p.stat().st_size for p in src.glob("*.safetensors")) / 2**20
+            print(
+                f"| {gib:.2f} GiB bf16 | kha fold (linear_qkv; largest shard {shard:.0f} MiB) | {r['rss_mib']:.0f} | "
+                f"{r['seconds']:.1f} | {r['rss_mib'] / rows['naive']['rss_mib']:.2f}x |"
+            )
+            for mode in [*rows, "fold"]:
                 shutil.rmtree(work / f"out-{mode}", ignore_errors=True)
+            shutil.rmtree(work / "linear", ignore_errors=True)
             shutil.rmtree(src)
     finally:
         if args.workdir is None:

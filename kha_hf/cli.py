@@ -194,6 +194,7 @@ def _add_train(sub) -> None:
     p.add_argument("--save-steps", type=int, default=None)
     p.add_argument("--logging-steps", type=int, default=None)
     p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--max-eval-blocks", type=int, default=256, help="held-out blocks evaluated at the end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-to", default="none", help="Trainer loggers: none, tensorboard, wandb, ...")
     p.set_defaults(func=_run_train)
@@ -221,6 +222,7 @@ def _run_train(args) -> int:
         seed=args.seed,
         report_to=args.report_to,
         lora_r=args.lora_r,
+        max_eval_blocks=args.max_eval_blocks,
     )
     return 0
 

@@ -55,6 +55,8 @@ def run_demo(
         batch_size=4,
         lr=2e-3,
         save_steps=train_steps,
+        max_eval_blocks=32,  # bounds each held-out evaluation to seconds on CPU
+        eval_before=True,
     )
 
     print(f"\n[3/4] evaluate base, KHA (converted) and KHA (trained) on {', '.join(SUITES['quick'])}")
@@ -91,12 +93,17 @@ def run_demo(
         "converted": str(converted),
         "trained": str(trained.output_dir),
         "train_loss": trained.train_loss,
+        "heldout_loss_before": trained.heldout_loss_before,
         "heldout_loss": trained.heldout_loss,
         "rows": rows,
         "minutes": (time.perf_counter() - start) / 60,
     }
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n" + table)
+    print(
+        f"held-out loss on Shakespeare: {trained.heldout_loss_before:.4f} before knock training, "
+        f"{trained.heldout_loss:.4f} after"
+    )
     print(f"done in {summary['minutes']:.1f} min. Results in {output}/:")
     print(f"  comparison.md  the table above\n  knocks.png     {plot.name}: what the knocks learned")
     print("  kha/           the converted checkpoint (identical outputs to the base)")

@@ -102,14 +102,15 @@ def pack(documents: list[str], tokenizer, seq_len: int) -> torch.Tensor:
 
 
 def train_heldout_split(
-    documents: list[str], tokenizer, seq_len: int, heldout_fraction: float = 0.05, max_blocks: int | None = None
+    documents: list[str], tokenizer, seq_len: int, heldout_fraction: float = 0.05, max_heldout_blocks: int | None = None
 ) -> tuple[TokenBlocks, TokenBlocks]:
-    """Packed train and held-out blocks: the last `heldout_fraction` of the stream is held out."""
+    """Packed train and held-out blocks: the last `heldout_fraction` of the stream is held out (evaluated on at
+    most `max_heldout_blocks` of them, from its start, to bound evaluation time)."""
     blocks = pack(documents, tokenizer, seq_len)
     n_heldout = max(1, int(len(blocks) * heldout_fraction))
     if len(blocks) - n_heldout < 1:
         raise KHAError(f"only {len(blocks)} blocks of {seq_len} tokens: too little data for a held-out split")
     train, heldout = blocks[:-n_heldout], blocks[-n_heldout:]
-    if max_blocks is not None:
-        train = train[:max_blocks]
+    if max_heldout_blocks is not None:
+        heldout = heldout[:max_heldout_blocks]
     return TokenBlocks(train), TokenBlocks(heldout)

@@ -28,6 +28,7 @@ class TrainResult:
     steps: int
     log_history: list[dict] = field(default_factory=list)
     adapter_dir: Path | None = None
+    heldout_loss_before: float | None = None
 
 
 def paper_training_arguments(output_dir: Path, **overrides) -> TrainingArguments:
@@ -71,8 +72,9 @@ def train(
     seed: int = 0,
     report_to: str = "none",
     lora_r: int = 16,
-    max_train_blocks: int | None = None,
+    max_eval_blocks: int | None = 256,
     disable_tqdm: bool = False,
+    eval_before: bool = False,
 ) -> TrainResult:
     """Train MODEL_PATH (a KHA checkpoint) and save the result to OUTPUT_DIR; returns final losses."""
     output_dir = Path(output_dir)
@@ -84,7 +86,7 @@ def train(
         raise KHAError(f"cannot load a KHA model from {model_path}: {err}") from err
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     documents = read_documents(data)
-    train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_blocks=max_train_blocks)
+    train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_heldout_blocks=max_eval_blocks)
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
 
     model = prepare_for_mode(model, mode, lora_r=lora_r)
@@ -113,6 +115,7 @@ def train(
         callbacks=[CheckpointCodeCallback()],
         knock_lr=knock_lr,
     )
+    before = trainer.evaluate()["eval_loss"] if eval_before else None
     output = trainer.train(resume_from_checkpoint=True if resume else None)
     heldout = trainer.evaluate()["eval_loss"]
     adapter_dir = None
@@ -122,7 +125,8 @@ def train(
         model = model.merge_and_unload()  # a full KHA model with the trained knocks and merged LoRA deltas
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
-    print(f"train loss {output.training_loss:.4f}, held-out loss {heldout:.4f}; saved to {output_dir}")
+    change = f" (before training: {before:.4f})" if before is not None else ""
+    print(f"train loss {output.training_loss:.4f}, held-out loss {heldout:.4f}{change}; saved to {output_dir}")
     return TrainResult(
-        output_dir, output.training_loss, heldout, output.global_step, trainer.state.log_history, adapter_dir
+        output_dir, output.training_loss, heldout, output.global_step, trainer.state.log_history, adapter_dir, before
     )
