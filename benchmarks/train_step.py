@@ -26,6 +26,23 @@ def step_fn(model, ids):
     return run
 
 
+def saved_for_backward_mib(model, ids) -> float:
+    """Bytes autograd keeps for the backward pass (activations, and the weights the matmuls need), deduplicated
+    by storage: the part of training memory that KHA can change, measurable on any device."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model.model(input_ids=ids).last_hidden_state.float().pow(2).mean()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values()) / 2**20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -53,7 +70,7 @@ def main() -> None:
     ids = torch.randint(0, 1024, (shape["batch"], shape["seq"]), device=args.device)
     medians = interleaved_medians({n: step_fn(m, ids) for n, m in models.items()}, repeats, 2, args.device)
 
-    memory = {}
+    memory = {name: {"saved for backward (MiB)": f"{saved_for_backward_mib(m, ids):.1f}"} for name, m in models.items()}
     if cuda:
         for name, model in models.items():
             gc.collect()
@@ -61,10 +78,10 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             step_fn(model, ids)()
             torch.cuda.synchronize()
-            memory[name] = {"peak memory (MiB)": f"{torch.cuda.max_memory_allocated() / 2**20:.0f}"}
+            memory[name]["CUDA peak (MiB)"] = f"{torch.cuda.max_memory_allocated() / 2**20:.0f}"
     print(header("training step (forward + backward)", args.device))
     print(f"shape {shape}, {dtype}, sdpa{', compiled' if args.compile else ''}, {repeats} interleaved rounds\n")
-    print(ratio_table(medians, extra=memory or None))
+    print(ratio_table(medians, extra=memory))
 
 
 if __name__ == "__main__":

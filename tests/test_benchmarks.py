@@ -12,7 +12,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 @pytest.mark.parametrize(
     "script, expected",
     [
-        ("train_step.py", ["ratio vs baseline", "mlp_v_linear_qk"]),
+        ("train_step.py", ["ratio vs baseline", "mlp_v_linear_qk", "saved for backward"]),
         ("decode.py", ["per-token decode", "linear_qkv folded", "aten ops / step"]),
         ("convert_memory.py", ["kha convert (copy)", "naive load-modify-save"]),
     ],

@@ -104,7 +104,7 @@ def test_strided_perplexity_matches_a_full_window_forward():
 
 
 @pytest.mark.slow
-def test_smollm2_and_its_kha_conversion_score_identically(tmp_path):
+def test_smollm2_and_its_kha_conversion_score_identically(tmp_path, capsys):
     from kha_hf.assets import smollm2_gguf
     from kha_hf.cli import main
     from kha_hf.conversion import convert
@@ -125,13 +125,13 @@ def test_smollm2_and_its_kha_conversion_score_identically(tmp_path):
         "copa",
         "--limit",
         "8",
-        "--local-data",
         "--output",
         str(tmp_path / "eval"),
         "--perplexity",
         str(tmp_path / "text.txt"),
     ]
-    assert main(argv) == 0
+    assert main(argv) == 0  # HF_HUB_OFFLINE=1 (conftest): local data must be chosen automatically, and said
+    assert "the Hugging Face Hub cannot be reached: using the local eval copies" in capsys.readouterr().out
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     rows = summary["rows"]
     assert {r["task"] for r in rows} == {"arc_easy", "copa"}

@@ -223,3 +223,25 @@ def test_ab_runs_twins_from_the_same_start_and_writes_its_report(tmp_path, capsy
         summary["kha"]["heldout_loss"] - summary["baseline"]["heldout_loss"]
     )
     assert (tmp_path / "ab" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resume_continues_from_the_last_checkpoint(corpus, kha_dir, tmp_path):
+    data, _ = corpus
+    out = tmp_path / "resume"
+    train(kha_dir, out, data=[str(data)], mode="knocks", max_steps=4, save_steps=2, lr=1e-2, **STEPS)
+    assert (out / "checkpoint-4").is_dir()
+    result = train(
+        kha_dir, out, data=[str(data)], mode="knocks", max_steps=6, save_steps=2, lr=1e-2, resume=True, **STEPS
+    )
+    assert result.steps == 6
+    steps_logged = [h["step"] for h in result.log_history if "loss" in h]
+    assert steps_logged and min(steps_logged) > 4, steps_logged  # steps 1-4 were not run again
+
+
+def test_unreachable_hub_dataset_is_a_clear_error(monkeypatch):
+    from kha_hf.errors import KHAError
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(KHAError, match="cannot load dataset 'someone/no-such-corpus'"):
+        read_documents(["someone/no-such-corpus"])

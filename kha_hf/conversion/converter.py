@@ -74,7 +74,7 @@ def convert(
     if dtype is not None and dtype not in DTYPES:
         raise KHAError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     dst = Path(dst).expanduser()
-    if dst.exists() and not overwrite:
+    if dst.exists() and not overwrite:  # checked again by atomic_output_dir; here before any download
         raise KHAError(f"{dst} already exists; pass --overwrite to replace it")
     source = resolve_source(src, revision=revision, token=token)
     with atomic_output_dir(dst, overwrite=overwrite) as out:
@@ -119,7 +119,10 @@ def check_layout(config: KHAConfig, tensors: dict[str, TensorInfo], prefix: str)
         raise KHAError(f"config says {config.num_hidden_layers} layers, the weights hold {len(layers)}")
     d, heads, kv_heads = config.kha_head_dim, config.num_attention_heads, config.num_key_value_heads
     for target, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
-        shape = tensors[projection_key(prefix, 0, target)].shape
+        key = projection_key(prefix, 0, target)
+        if key not in tensors:
+            raise KHAError(f"no {key} tensor: kha needs separate q/k/v projections")
+        shape = tensors[key].shape
         if shape != (n * d, config.hidden_size):
             raise KHAError(
                 f"{target}_proj weight has shape {list(shape)}, config implies {[n * d, config.hidden_size]}"

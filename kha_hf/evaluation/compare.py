@@ -33,12 +33,12 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         "false",
     ):
         return False
-    try:
-        import requests
+    import urllib.request
 
-        requests.head("https://huggingface.co", timeout=timeout)
+    try:
+        urllib.request.urlopen(urllib.request.Request("https://huggingface.co", method="HEAD"), timeout=timeout)
         return True
-    except Exception:
+    except OSError:  # URLError, timeouts, refused connections
         return False
 
 
