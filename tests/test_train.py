@@ -1,6 +1,8 @@
 """`kha train`: each mode on a tiny model; knocks-only changes only knocks; checkpoints load as remote code."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -227,15 +229,24 @@ def test_ab_runs_twins_from_the_same_start_and_writes_its_report(tmp_path, capsy
 
 def test_resume_continues_from_the_last_checkpoint(corpus, kha_dir, tmp_path):
     data, _ = corpus
-    out = tmp_path / "resume"
-    train(kha_dir, out, data=[str(data)], mode="knocks", max_steps=4, save_steps=2, lr=1e-2, **STEPS)
-    assert (out / "checkpoint-4").is_dir()
-    result = train(
-        kha_dir, out, data=[str(data)], mode="knocks", max_steps=6, save_steps=2, lr=1e-2, resume=True, **STEPS
-    )
-    assert result.steps == 6
-    steps_logged = [h["step"] for h in result.log_history if "loss" in h]
-    assert steps_logged and min(steps_logged) > 4, steps_logged  # steps 1-4 were not run again
+    kwargs = dict(data=[str(data)], mode="knocks", save_steps=2, lr=1e-2, **STEPS)
+    straight = train(kha_dir, tmp_path / "straight", max_steps=6, **kwargs)
+    # an interrupted run: only its checkpoint at step 4 exists
+    shutil.copytree(tmp_path / "straight" / "checkpoint-4", tmp_path / "resumed" / "checkpoint-4")
+    state_file = tmp_path / "resumed" / "checkpoint-4" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    next(h for h in state["log_history"] if h.get("step") == 2 and "loss" in h)["loss"] = 123.0  # a marker
+    state_file.write_text(json.dumps(state))
+    resumed = train(kha_dir, tmp_path / "resumed", max_steps=6, resume=True, **kwargs)
+    assert resumed.steps == 6
+
+    def losses(result):
+        return {h["step"]: h["loss"] for h in result.log_history if "loss" in h}
+
+    assert losses(resumed)[2] == 123.0, "steps 1-4 were run again instead of restored"
+    # Same data order and optimizer state after resuming: the last steps match the uninterrupted run.
+    assert losses(resumed)[6] == pytest.approx(losses(straight)[6], rel=1e-4)
+    assert resumed.heldout_loss == pytest.approx(straight.heldout_loss, rel=1e-4)
 
 
 def test_unreachable_hub_dataset_is_a_clear_error(monkeypatch):
