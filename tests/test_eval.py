@@ -143,4 +143,5 @@ def test_smollm2_and_its_kha_conversion_score_identically(tmp_path, capsys):
     assert "| arc_easy | acc |" in table and "| copa | acc |" in table and "+0.0000 | no |" in table
     raw = json.loads((tmp_path / "eval" / "candidate_lm_eval.json").read_text())
     assert raw["results"]["arc_easy"]["sample_len"] == 8 and "n-samples" in raw
+    assert summary["local_data_notes"] == {"arc_easy": "validation split (standard: test)"}
     assert (tmp_path / "eval" / "baseline_lm_eval.json").exists()

@@ -20,7 +20,6 @@ PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt
 class Source:
     folder: Path  # a folder with config.json and safetensors weights
     name: str  # what the model card calls the base model: the Hub id or the folder/file name
-    hub_id: str | None = None
     gguf_file: Path | None = None
 
 
@@ -59,7 +58,7 @@ def resolve_source(src: str | Path, revision: str | None = None, token: str | No
         check_local_folder(path)
         return Source(folder=path, name=path.resolve().name)
     if HUB_ID.match(str(src)):
-        return Source(folder=download_from_hub(str(src), revision, token), name=str(src), hub_id=str(src))
+        return Source(folder=download_from_hub(str(src), revision, token), name=str(src))
     raise KHAError(f"{src}: no such file or folder, and not a Hub id of the form owner/name")
 
 

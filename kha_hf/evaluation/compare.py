@@ -186,6 +186,13 @@ def run_eval(
         dropped = [t for t in task_names if t not in LOCAL_TASK_NAMES]
         task_names = [t for t in task_names if t in LOCAL_TASK_NAMES]
         print(f"offline: the paper suite runs without {', '.join(dropped)} (no local copies)")
+    local_notes = {}
+    if local_data:
+        from .local_tasks import LOCAL_TASKS
+
+        local_notes = {t: LOCAL_TASKS[t].note for t in task_names if t in LOCAL_TASKS and LOCAL_TASKS[t].note}
+        for task, note in local_notes.items():
+            print(f"  {task}: {note}")
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     settings = dict(
@@ -214,7 +221,8 @@ def run_eval(
     summary = {
         "baseline": baseline,
         "candidate": candidate,
-        "settings": {k: v for k, v in settings.items()},
+        "settings": dict(settings),
+        "local_data_notes": local_notes,
         "rows": rows,
         "perplexity": {r.label: r.perplexity for r in (base_result, cand_result) if r is not None and r.perplexity},
     }

@@ -31,10 +31,6 @@ class TokenBlocks(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
-    @property
-    def num_tokens(self) -> int:
-        return self.blocks.numel()
-
 
 def read_documents(sources: Iterable[str] | None) -> list[str]:
     """Documents from files/folders (.txt/.md one per file, .jsonl one per line's "text"), a Hub dataset, or
