@@ -160,6 +160,13 @@ class KHAPreTrainedModel(PreTrainedModel):
         concrete = cls._concrete_class(config)
         return super(KHAPreTrainedModel, concrete)._from_config(config, **kwargs)
 
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers decides whether MoE experts may use grouped_mm by reading the defining module's source for
+        # its decorator; KHA classes reuse the family's expert modules, so ask the family's class instead.
+        family = next((c for c in cls.__mro__ if c.__module__.startswith("transformers.models.")), None)
+        return family is not None and family._can_set_experts_implementation()
+
     def _init_weights(self, module: nn.Module) -> None:
         # Knocks first: the base families would give these nn.Linear subclasses a random normal init.
         if isinstance(module, KnockLinear):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -48,8 +49,10 @@ def test_save_writes_auto_map_and_self_contained_code(tmp_path):
             assert not any(n.startswith("kha_hf") for n in names), f"{name} imports kha_hf"
 
 
-def test_fresh_process_without_kha_hf_loads_with_trust_remote_code(tmp_path):
-    folder = _save_trained(tmp_path)
+@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+def test_fresh_process_without_kha_hf_loads_with_trust_remote_code(tmp_path, family):
+    # mixtral: its checkpoint layout conversion must also be registered by the remote code itself
+    folder = _save_trained(tmp_path, family)
     script = textwrap.dedent(
         f"""
         import sys
