@@ -60,6 +60,38 @@ def decode_fn(model, prompt, steps: int):
     return run
 
 
+def generate_fn(model, prompt, new_tokens: int, device: str):
+    """generate() with a static cache, which transformers compiles for the decode steps (CUDA graphs on GPU)."""
+    from transformers import CompileConfig
+
+    compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device == "cuda" else "default")
+    compile_config._compile_all_devices = device != "cuda"  # transformers only auto-compiles on accelerators
+
+    def run():
+        model.generate(
+            prompt,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            cache_implementation="static",
+            compile_config=compile_config,
+            pad_token_id=0,
+        )
+
+    return run
+
+
+def compiled_decode(models: dict, prompt, steps: int, repeats: int, device: str) -> dict:
+    """Per-token decode time under torch.compile + static cache: (t(1 + steps tokens) - t(1 token)) / steps."""
+    full = {n: generate_fn(m, prompt, 1 + steps, device) for n, m in models.items()}
+    one = {n: generate_fn(m, prompt, 1, device) for n, m in models.items()}
+    for fn in [*full.values(), *one.values()]:  # compile (and warm up) outside the timed rounds
+        fn()
+    t_full = interleaved_medians(full, repeats, 1, device)
+    t_one = interleaved_medians(one, repeats, 1, device)
+    return {n: (t_full[n] - t_one[n]) / steps for n in models}
+
+
 def ops_per_step(model, prompt) -> int:
     with torch.no_grad():
         out = model(prompt, past_key_values=DynamicCache(config=model.config), use_cache=True)
@@ -74,6 +106,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="also time decode under torch.compile + static cache")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     if args.quick:
@@ -101,6 +134,12 @@ def main() -> None:
     ops = {n: {"top-level aten ops / step": ops_per_step(m, prompt)} for n, m in models.items()}
     print(f"\nper-token decode (KV length {shape['kv_len']})\n")
     print(ratio_table(decode, extra=ops))
+    if args.compile:
+        subset = {n: models[n] for n in ("baseline", "mlp_v", "linear_v", "linear_qkv folded")}
+        compiled = compiled_decode(subset, prompt, shape["steps"], repeats, args.device)
+        mode = "CUDA graphs (reduce-overhead)" if cuda else "inductor, default mode"
+        print(f"\nper-token decode under torch.compile + static cache ({mode})\n")
+        print(ratio_table(compiled))
 
 
 if __name__ == "__main__":
