@@ -10,16 +10,16 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.mark.parametrize(
-    "script, expected",
+    "script, extra_args, expected",
     [
-        ("train_step.py", ["ratio vs baseline", "mlp_v_linear_qk", "saved for backward"]),
-        ("decode.py", ["per-token decode", "linear_qkv folded", "aten ops / step"]),
-        ("convert_memory.py", ["kha convert (copy)", "naive load-modify-save"]),
+        ("train_step.py", [], ["ratio vs baseline", "mlp_v_linear_qk", "saved for backward"]),
+        ("decode.py", ["--compile"], ["linear_qkv folded", "aten ops / step", "torch.compile + static cache"]),
+        ("convert_memory.py", [], ["kha convert (copy)", "naive load-modify-save", "kha fold"]),
     ],
 )
-def test_benchmark_quick_mode_reports(script, expected):
+def test_benchmark_quick_mode_reports(script, extra_args, expected):
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True, timeout=600
+        [sys.executable, str(BENCHMARKS / script), "--quick", *extra_args], capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
     for text in expected:
