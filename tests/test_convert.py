@@ -339,3 +339,18 @@ def test_real_smollm2_gguf_converts_with_identical_logits(tmp_path):
     assert config["base_model_type"] == "llama" and config["num_hidden_layers"] == 30
     assert config["num_attention_heads"] == 9 and config["num_key_value_heads"] == 3
     assert (out / "tokenizer.json").exists() and (out / "chat_template.jinja").exists()
+
+
+def test_knock_layers_limit_the_knock_tensors(sharded_llama, tmp_path):
+    src, base = sharded_llama
+    assert main(["convert", str(src), str(tmp_path / "out"), "--knock", "linear_v", "--knock-layers", "0,2"]) == 0
+    knocks = load_file(tmp_path / "out" / KNOCKS_FILE)
+    assert sorted(knocks) == ["model.layers.0.self_attn.v_knock.weight", "model.layers.2.self_attn.v_knock.weight"]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["knock_layers"] == [0, 2]
+    model, info = KHAForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager", output_loading_info=True
+    )
+    assert not info["missing_keys"] and model.model.layers[1].self_attn.v_knock is None
+    ids = torch.randint(3, 128, (2, 9))
+    assert_close(_logits(model, ids), _logits(base, ids))
