@@ -60,6 +60,9 @@ def run_demo(
     )
 
     print(f"\n[3/4] evaluate base, KHA (converted) and KHA (trained) on {', '.join(SUITES['quick'])}")
+    from lm_eval.tasks import TaskManager
+
+    task_manager = TaskManager()  # indexes lm-eval's tasks once for the three models
     settings = dict(
         tasks=SUITES["quick"],
         local=True,
@@ -72,9 +75,9 @@ def run_demo(
         perplexity_file=None,
     )
     results = [
-        evaluate_model("base", base, **settings),
-        evaluate_model("kha", str(converted), **settings),
-        evaluate_model("kha-trained", str(trained.output_dir), **settings),
+        evaluate_model("base", base, **settings, task_manager=task_manager),
+        evaluate_model("kha", str(converted), **settings, task_manager=task_manager),
+        evaluate_model("kha-trained", str(trained.output_dir), **settings, task_manager=task_manager),
     ]
     table = three_way_table(*results)
     (output / "comparison.md").write_text(table)

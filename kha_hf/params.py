@@ -6,8 +6,6 @@ the identity elsewhere): decaying knocks would push a converted model away from 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -29,34 +27,32 @@ def count_knock_parameters(model: nn.Module) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if is_knock_parameter(name))
 
 
-def _no_decay(name: str, param: nn.Parameter) -> bool:
-    # Biases and norm weights (1-D) are not decayed either, as in transformers' Trainer.
-    return is_knock_parameter(name) or param.ndim < 2
-
-
 def optimizer_param_groups(
     model: nn.Module,
     weight_decay: float = 0.1,
     lr: float | None = None,
     knock_lr: float | None = None,
     only_trainable: bool = True,
+    decay_names: set[str] | None = None,
 ) -> list[dict]:
     """Param groups for torch optimizers: decayed weights, undecayed weights, and knocks (no decay, own lr).
+
+    Non-knock parameters are decayed if named in `decay_names`, or by default if they are matrices (biases and
+    norm weights, 1-D, are not, as in transformers' Trainer).
 
     Example:
         torch.optim.AdamW(optimizer_param_groups(model, weight_decay=0.1, lr=3e-4, knock_lr=1e-3), betas=(0.9, 0.95))
     """
     decay, no_decay, knocks = [], [], []
-    named: Iterable = model.named_parameters()
-    for name, param in named:
+    for name, param in model.named_parameters():
         if only_trainable and not param.requires_grad:
             continue
         if is_knock_parameter(name):
             knocks.append(param)
-        elif _no_decay(name, param):
-            no_decay.append(param)
-        else:
+        elif name in decay_names if decay_names is not None else param.ndim >= 2:
             decay.append(param)
+        else:
+            no_decay.append(param)
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

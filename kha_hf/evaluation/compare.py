@@ -79,13 +79,14 @@ def evaluate_model(
     seed: int,
     perplexity_file: str | None,
     perplexity_metric=None,
+    task_manager=None,
 ) -> ModelResult:
+    """Run lm-eval on one model; pass one `task_manager` to several calls to index lm-eval's tasks once."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    model, tokenizer = load_causal_lm(ref, dtype=dtype, device=device)
-    task_manager = TaskManager()
+    task_manager = task_manager or TaskManager()
     groups: dict[str, list[str]] = {}
     task_specs: list = tasks
     if local:
@@ -94,6 +95,7 @@ def evaluate_model(
         missing = [t for t in tasks if t not in task_manager.task_index]
         if missing:
             raise KHAError(f"lm-eval has no task {', '.join(missing)}")
+    model, tokenizer = load_causal_lm(ref, dtype=dtype, device=device)  # after the tasks are known to exist
     lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", device=device, batch_size=batch_size)
     print(f"[{label}] evaluating {ref} on {', '.join(tasks)}" + (f" (limit {limit})" if limit else ""))
     raw = simple_evaluate(
@@ -209,8 +211,11 @@ def run_eval(
     metric = None
     if perplexity_file and not local_data:
         metric = load_evaluate_metric([r for r in (baseline, candidate) if r])
-    base_result = evaluate_model("baseline", baseline, **settings, perplexity_metric=metric) if baseline else None
-    cand_result = evaluate_model("candidate", candidate, **settings, perplexity_metric=metric)
+    from lm_eval.tasks import TaskManager
+
+    shared = dict(perplexity_metric=metric, task_manager=TaskManager())
+    base_result = evaluate_model("baseline", baseline, **settings, **shared) if baseline else None
+    cand_result = evaluate_model("candidate", candidate, **settings, **shared)
     for result in (base_result, cand_result):
         if result is not None:
             raw = {k: v for k, v in result.raw.items() if k not in ("samples",)}

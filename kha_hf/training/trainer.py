@@ -9,7 +9,7 @@ from pathlib import Path
 from transformers import Trainer, TrainerCallback
 
 from ..conversion.output import copy_model_code
-from ..params import is_knock_parameter, knock_distance_from_init
+from ..params import is_knock_parameter, knock_distance_from_init, optimizer_param_groups
 
 
 class KHATrainer(Trainer):
@@ -26,15 +26,14 @@ class KHATrainer(Trainer):
         if self.knock_lr is None or self.optimizer is not None:
             return super().create_optimizer(model)
         opt_model = self.model if model is None else model
-        decay = set(self.get_decay_parameter_names(opt_model))
-        params = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for n, p in params if n in decay], "weight_decay": self.args.weight_decay},
-            {"params": [p for n, p in params if n not in decay and not is_knock_parameter(n)], "weight_decay": 0.0},
-            {"params": [p for n, p in params if is_knock_parameter(n)], "weight_decay": 0.0, "lr": self.knock_lr},
-        ]
+        groups = optimizer_param_groups(
+            opt_model,
+            weight_decay=self.args.weight_decay,
+            knock_lr=self.knock_lr,
+            decay_names=set(self.get_decay_parameter_names(opt_model)),  # Trainer's own decay rule elsewhere
+        )
         optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        self.optimizer = optimizer_cls([g for g in groups if g["params"]], **optimizer_kwargs)
+        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
