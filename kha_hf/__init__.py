@@ -6,9 +6,17 @@ checkpoints load with `AutoModelForCausalLM.from_pretrained(path)` even without 
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS, SUPPORTED_BASE_MODEL_TYPES, KHAConfig
-from .modeling_kha import KHAForCausalLM, KHAModel, KHAPreTrainedModel
-from .params import count_knock_parameters, is_knock_parameter, knock_parameter_names, optimizer_param_groups
+from .common.errors import KHAError
+from .modeling import (
+    DEFAULT_KNOCK,
+    KNOCK_PRESETS,
+    SUPPORTED_BASE_MODEL_TYPES,
+    KHAConfig,
+    KHAForCausalLM,
+    KHAModel,
+    KHAPreTrainedModel,
+)
+from .training.params import count_knock_parameters, is_knock_parameter, knock_parameter_names, optimizer_param_groups
 
 __version__ = "0.1.0"
 
@@ -25,6 +33,7 @@ __all__ = [
     "KNOCK_PRESETS",
     "SUPPORTED_BASE_MODEL_TYPES",
     "KHAConfig",
+    "KHAError",
     "KHAForCausalLM",
     "KHAModel",
     "KHAPreTrainedModel",

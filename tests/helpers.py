@@ -74,3 +74,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 0.0
     diff = (actual.double() - expected.double()).abs()
     ok = torch.equal(actual, expected) if atol == 0 else bool(diff.max() <= atol)
     assert ok, f"{what}: max |diff| {diff.max().item():.3e}, mean {diff.mean().item():.3e} (atol {atol})"
+
+
+def save_tiny_tokenizer(folder) -> None:
+    """A small byte-level BPE tokenizer (ids < 128, the tiny models' vocabulary) saved into FOLDER."""
+    from kha_hf.training.tokenizer import train_bpe_tokenizer
+
+    train_bpe_tokenizer(["the quick brown fox jumps over the lazy dog " * 20], vocab_size=128).save_pretrained(folder)

@@ -19,11 +19,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..configuration_kha import BASE_CONFIG_CLASSES, SUPPORTED_BASE_MODEL_TYPES, KHAConfig, resolve_knock_preset
-from ..errors import KHAError
+from ..common.errors import KHAError
+from ..common.model_code import copy_model_code
+from ..modeling.configuration_kha import (
+    BASE_CONFIG_CLASSES,
+    SUPPORTED_BASE_MODEL_TYPES,
+    KHAConfig,
+    resolve_knock_preset,
+)
 from .knock_tensors import initial_knock_tensors, layer_prefix, projection_key
 from .model_card import model_card
-from .output import atomic_output_dir, carry_over_files, copy_model_code, place_file
+from .output import atomic_output_dir, carry_over_files, place_file, report_placement
+from .paths import check_destination, check_free_space
 from .safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index, shard_files
 from .source import Source, dequantize_gguf, read_config, resolve_source
 
@@ -73,13 +80,14 @@ def convert(
         raise KHAError(str(err)) from err
     if dtype is not None and dtype not in DTYPES:
         raise KHAError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
-    dst = Path(dst).expanduser()
-    if dst.exists() and not overwrite:  # checked again by atomic_output_dir; here before any download
-        raise KHAError(f"{dst} already exists; pass --overwrite to replace it")
+    local_src = Path(src).expanduser()
+    dst = check_destination(dst, [local_src] if local_src.exists() else [], overwrite)  # before any download
     source = resolve_source(src, revision=revision, token=token)
+    check_destination(dst, [source.gguf_file or source.folder], overwrite)
     with atomic_output_dir(dst, overwrite=overwrite) as out:
         if source.gguf_file is not None:
-            with tempfile.TemporaryDirectory(prefix=".kha-gguf-", dir=out.parent) as dequantised:
+            # inside the temporary output: removed with it whatever happens
+            with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out) as dequantised:
                 dequantize_gguf(source.gguf_file, Path(dequantised))
                 dequantised_source = Source(Path(dequantised), source.name)
                 # link: the dequantised shards are ours to give away (they vanish with the temporary folder)
@@ -110,6 +118,10 @@ def check_base_config(base_config: dict, folder: Path) -> None:
     missing = [name for name in REQUIRED_FIELDS if name not in base_config]
     if missing:
         raise KHAError(f"{folder / 'config.json'} lacks required fields: {', '.join(missing)}")
+    for name in (*REQUIRED_FIELDS, "num_key_value_heads", "head_dim"):
+        value = base_config.get(name)
+        if name in base_config and value is not None and (type(value) is not int or value <= 0):
+            raise KHAError(f"{folder / 'config.json'}: {name} must be a positive integer, got {value!r}")
 
 
 def check_layout(config: KHAConfig, tensors: dict[str, TensorInfo], prefix: str) -> None:
@@ -142,8 +154,8 @@ def _convert_folder(
     check_base_config(base_config, source.folder)
     try:
         config = KHAConfig.from_base(base_config, knock=knock, knock_layers=knock_layers)
-    except (ValueError, TypeError) as err:
-        raise KHAError(str(err)) from err
+    except Exception as err:  # the family's config class rejects what it cannot use, in its own words
+        raise KHAError(f"invalid {source.folder / 'config.json'}: {err}") from err
     tensors = read_checkpoint_index(source.folder)
     try:
         prefix = layer_prefix(tensors)
@@ -155,19 +167,25 @@ def _convert_folder(
     source_dtype = floats.most_common(1)[0][0] if floats else torch.float32
     target_dtype = DTYPES[dtype] if dtype else source_dtype
     shards = shard_files(tensors)
+    if KNOCKS_FILE in shards:
+        raise KHAError(f"{source.folder} already has a shard named {KNOCKS_FILE}, the file kha writes the knocks to")
     # transformers reads model.safetensors in preference to an index, so a single-file source gets a shard name
     renamed = {SINGLE_FILE: SINGLE_SHARD} if shards == [SINGLE_FILE] else {}
+    to_cast = {
+        name
+        for name in shards
+        if any(i.dtype.is_floating_point and i.dtype != target_dtype for i in tensors.values() if i.file == name)
+    }
+    needed = sum((source.folder / name).stat().st_size for name in shards if name in to_cast or not link)
+    check_free_space(out, needed + (1 << 20), f"the shards of {source.name}")
+    placed = []
     for name in tqdm(shards, desc="shards", unit="shard", disable=not progress):
         target = out / renamed.get(name, name)
-        needs_cast = any(
-            info.dtype.is_floating_point and info.dtype != target_dtype
-            for info in tensors.values()
-            if info.file == name
-        )
-        if needs_cast:
+        if name in to_cast:
             _write_cast_shard(source.folder / name, target, target_dtype)
         else:
-            place_file(source.folder / name, target, link)
+            placed.append(place_file(source.folder / name, target, link))
+    report_placement(placed)
 
     knocks = initial_knock_tensors(config, target_dtype, prefix)
     save_file(knocks, out / KNOCKS_FILE, metadata={"format": "pt"})

@@ -18,12 +18,14 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from ..configuration_kha import KHAConfig
-from ..errors import KHAError
+from ..common.errors import KHAError
+from ..common.model_code import copy_model_code
+from ..modeling.configuration_kha import KHAConfig
 from .knock_reader import knock_keys, read_kha_config, read_knocks
 from .knock_tensors import KNOCK_KEY, knock_key, layer_prefix, projection_key
 from .model_card import CITATION
-from .output import atomic_output_dir, carry_over_files, copy_model_code, place_file
+from .output import atomic_output_dir, carry_over_files, place_file, report_placement
+from .paths import check_destination, check_free_space
 from .safetensors_index import INDEX_FILE, read_checkpoint_index, shard_files
 
 
@@ -56,6 +58,7 @@ def fold(
     which folds Q/K and writes a KHA checkpoint that keeps only the value MLP.
     """
     kha_dir = Path(kha_dir)
+    out = check_destination(out, [kha_dir], overwrite)
     config = read_kha_config(kha_dir)
     linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
     if config.knock_v == "mlp":
@@ -87,14 +90,15 @@ def fold(
     dropped = set(folded_knocks)
 
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
-        weight_map = {}
+        check_free_space(tmp, sum((kha_dir / f).stat().st_size for f in shard_files(tensors)), "the folded shards")
+        weight_map, placed = {}, []
         for file in tqdm(shard_files(tensors), desc="fold shards", unit="shard", disable=not progress):
             names = [n for n, info in tensors.items() if info.file == file]
             kept = [n for n in names if n not in dropped]
             if not kept:
                 continue  # a file of knocks only
             if len(kept) == len(names) and not any(n in plan for n in names):
-                place_file(kha_dir / file, tmp / file, link)
+                placed.append(place_file(kha_dir / file, tmp / file, link))
             else:
                 with safe_open(kha_dir / file, framework="pt") as f:
                     metadata = f.metadata() or {"format": "pt"}
@@ -104,6 +108,7 @@ def fold(
                         new[name] = fold_projection(tensor, plan[name], head_dim) if name in plan else tensor
                 save_file(new, tmp / file, metadata=metadata)
             weight_map.update(dict.fromkeys(kept, file))
+        report_placement(placed)
         index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         carry_over_files(kha_dir, tmp)
@@ -118,7 +123,7 @@ def fold(
             base.dtype = config.dtype
             base.to_json_file(tmp / "config.json")
         (tmp / "README.md").write_text(_card(config, linear, partial))
-    return FoldResult(Path(out).absolute(), folded_knocks, partial)
+    return FoldResult(out, folded_knocks, partial)
 
 
 def _card(config: KHAConfig, folded: list[str], partial: bool) -> str:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import KHAError
+from ..common.errors import KHAError
 
 
-def push_folder(folder: Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
+def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
     """Create (or reuse) the model repo and upload every file of `folder`; returns the commit URL."""
     from huggingface_hub import HfApi
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise KHAError(f"{folder} is not a checkpoint folder (no config.json)")
 
     api = HfApi(token=token)
     try:

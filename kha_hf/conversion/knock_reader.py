@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..configuration_kha import KHAConfig
-from ..errors import KHAError
+from ..common.errors import KHAError
+from ..modeling.configuration_kha import KHAConfig
 from .knock_tensors import KNOCK_KEY
 from .safetensors_index import TensorInfo, read_checkpoint_index
 from .source import read_config
@@ -18,7 +18,10 @@ def read_kha_config(folder: Path) -> KHAConfig:
     config = read_config(folder)
     if config.get("model_type") != KHAConfig.model_type:
         raise KHAError(f"{folder} is not a KHA checkpoint (model_type {config.get('model_type')!r})")
-    return KHAConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    try:
+        return KHAConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    except Exception as err:  # the family's config class rejects what it cannot use, in its own words
+        raise KHAError(f"invalid {folder / 'config.json'}: {err}") from err
 
 
 def knock_keys(tensors: dict[str, TensorInfo]) -> list[str]:

@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from ..configuration_kha import KHAConfig
+from ..modeling.configuration_kha import KHAConfig
 
 # knock type -> (parameter path inside the knock module, initial value)
 KNOCK_PARTS: dict[str, tuple[tuple[str, str], ...]] = {

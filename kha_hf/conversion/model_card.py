@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..configuration_kha import KHAConfig
+from ..modeling.configuration_kha import KHAConfig
 
 CITATION = """@article{zhou2025knocking,
   title   = {Knocking-Heads Attention},

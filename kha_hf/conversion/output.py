@@ -3,43 +3,174 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
+import glob
 import os
 import shutil
+import signal
+import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import KHAError
+from ..common.errors import KHAError
+from .paths import check_replaceable
 
 # Files that describe weights or the model itself: each tool writes its own; everything else is carried over.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".onnx", ".ckpt")
 NOT_CARRIED = {"config.json", "README.md", ".gitattributes", "model.safetensors.index.json"}
 
 
+PARTIAL_MARKER = ".kha-partial"  # inside each temporary folder: who owns it (host and process id)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary folder beside DST; on success it becomes DST, on any failure it is removed.
 
-    After a crash or kill DST is absent or as it was (a hidden `.NAME.*.partial` folder may be left to delete).
+    - The existence check is atomic with the final rename (Linux `renameat2`): a DST that appears while we work
+      (another run, another program) is never replaced without `overwrite`; that run fails instead.
+    - With `overwrite`, the new folder is swapped in atomically and the old one removed only then, and only if it
+      looks like a checkpoint folder (config.json).
+    - SIGINT, SIGTERM and SIGHUP remove the temporary folder. After SIGKILL or a power cut, DST is absent or as
+      it was, and the next run removes the `.NAME.*.partial` folder it finds whose owning process is gone.
+
+    Callers check the destination first (`paths.check_destination`); this re-checks at the rename.
     """
     dst = Path(dst).expanduser().absolute()
-    if dst.exists() and not overwrite:
+    if (dst.exists() or dst.is_symlink()) and not overwrite:
         raise KHAError(f"{dst} already exists; pass --overwrite to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
     try:
-        yield tmp
-        _apply_umask(tmp)
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
-            os.replace(dst, old / "x")
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(dst)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+        (tmp / PARTIAL_MARKER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    except OSError as err:
+        raise KHAError(f"cannot write next to {dst}: {err.strerror or err}") from err
+    try:
+        with _signals_raise_interrupt():
+            yield tmp
+            (tmp / PARTIAL_MARKER).unlink()
+            _apply_umask(tmp)
+            _move_into_place(tmp, dst, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
+    if not overwrite or not (dst.exists() or dst.is_symlink()):
+        try:
+            rename_noreplace(tmp, dst)
+            return
+        except FileExistsError:
+            if not overwrite:
+                raise KHAError(f"{dst} appeared while this run was writing; it was not replaced") from None
+    check_replaceable(dst)  # it may have changed since the first check
+    exchange(tmp, dst)  # tmp now holds the old folder, removed below
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_partials(dst: Path) -> list[Path]:
+    """Remove `.DST.*.partial` siblings left by runs of this tool on this host whose process no longer exists."""
+    removed = []
+    host = socket.gethostname()
+    for folder in dst.parent.glob(f".{glob.escape(dst.name)}.*.partial"):
+        try:
+            owner_host, pid = (folder / PARTIAL_MARKER).read_text().split()
+            alive = owner_host != host or _process_exists(int(pid))
+        except (OSError, ValueError):
+            continue  # not ours (no marker): leave it
+        if not alive:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: unwinds like Ctrl-C, so temporary output is removed."""
+
+
+@contextlib.contextmanager
+def _signals_raise_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(f"received {signal.Signals(signum).name}")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+# Linux renameat2 flags: fail if the target exists / swap two paths atomically.
+_RENAME_NOREPLACE, _RENAME_EXCHANGE, _AT_FDCWD = 1, 2, -100
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """True if done; False where renameat2 is unavailable (other OS, old libc, unsupported file system)."""
+    libc = _libc()
+    if libc is None:
+        return False
+    if libc.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    errno_ = ctypes.get_errno()
+    if errno_ in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(errno_, os.strerror(errno_), str(dst))
+
+
+@functools.cache
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.renameat2  # noqa: B018 - probe: glibc >= 2.28
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename SRC to DST; FileExistsError if DST exists (atomically where the OS allows)."""
+    try:
+        if _renameat2(src, dst, _RENAME_NOREPLACE):
+            return
+    except OSError as err:
+        if err.errno == errno.EEXIST:
+            raise FileExistsError(errno.EEXIST, "exists", str(dst)) from None
+        raise
+    if dst.exists() or dst.is_symlink():  # fallback: a check, then the rename (a small window remains)
+        raise FileExistsError(errno.EEXIST, "exists", str(dst))
+    os.rename(src, dst)
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap two folders (atomically where the OS allows)."""
+    if _renameat2(a, b, _RENAME_EXCHANGE):
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{b.name}.", suffix=".old", dir=b.parent)) / "x"
+    os.rename(b, aside)
+    os.rename(a, b)
+    os.rename(aside, a)
+    aside.parent.rmdir()
 
 
 def _apply_umask(folder: Path) -> None:
@@ -54,16 +185,35 @@ def _apply_umask(folder: Path) -> None:
             path.chmod(0o666 & ~umask)
 
 
-def place_file(src: Path, dst: Path, link: bool) -> None:
-    """Copy byte for byte, or with `link` hard-link (symlink across file systems); never modifies SRC."""
+def place_file(src: Path, dst: Path, link: bool) -> str:
+    """Copy byte for byte, or with `link` hard-link; never modifies SRC. Returns what was done.
+
+    A SRC that is a symbolic link (the Hugging Face cache: `snapshots/<rev>/x -> ../../blobs/<hash>`) is followed:
+    DST gets the blob's bytes or a hard link to the blob, never a copy of a relative link that would dangle.
+    Where a hard link is impossible (another file system), DST becomes an absolute symbolic link to the real file.
+    """
     if link:
         try:
-            os.link(src, dst)
-            return
-        except OSError:
-            os.symlink(src.resolve(), dst)
-            return
-    shutil.copyfile(src, dst)
+            # realpath: CPython's os.link calls link(2), which links a symlink itself (a relative one would dangle)
+            os.link(os.path.realpath(src), dst)
+            return "hard-linked"
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            os.symlink(os.path.realpath(src), dst)
+            return "symlinked"
+    shutil.copyfile(src, dst)  # follows links: copies the real file's bytes
+    return "copied"
+
+
+def report_placement(how: list[str], what: str = "shards") -> None:
+    """One console line when --link could not hard-link everything, so users know what DST depends on."""
+    linked = how.count("symlinked")
+    if linked:
+        print(
+            f"--link: {linked} of {len(how)} {what} are on another file system and could not be hard-linked; "
+            "they are symbolic links to the originals (the output breaks if those are deleted)"
+        )
 
 
 def carry_over_files(src: Path, dst: Path) -> list[str]:
@@ -77,15 +227,3 @@ def carry_over_files(src: Path, dst: Path) -> list[str]:
         shutil.copyfile(path, dst / path.name)
         carried.append(path.name)
     return carried
-
-
-def copy_model_code(dst: Path) -> list[str]:
-    """Copy the self-contained KHA code files that `save_pretrained` would copy (remote code)."""
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    from .. import modeling_kha
-
-    files = [Path(modeling_kha.__file__), *map(Path, get_relative_import_files(modeling_kha.__file__))]
-    for path in files:
-        shutil.copyfile(path, dst / path.name)
-    return sorted(p.name for p in files)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import KHAError
+from ..common.errors import KHAError
+from .paths import member_path
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -26,6 +27,11 @@ SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,7 +45,12 @@ class TensorInfo:
 
 
 def read_header(path: Path) -> dict[str, dict]:
-    """Parse and check one safetensors header; a truncated or corrupt file raises KHAError naming it."""
+    """Parse and check one safetensors header completely; a truncated or corrupt file raises KHAError naming it.
+
+    Checked: the header is a JSON object; every tensor has a known dtype, a shape of non-negative integers and
+    `data_offsets` [begin, end] whose length is shape x dtype size; the tensors tile the data buffer exactly (no
+    overlap, no gap, nothing past the end of the file), as the safetensors format requires.
+    """
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -52,21 +63,72 @@ def read_header(path: Path) -> dict[str, dict]:
             header = json.loads(f.read(header_len))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise KHAError(f"corrupt safetensors file {path}: header is not valid JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise KHAError(f"corrupt safetensors file {path}: header is not a JSON object")
     header.pop("__metadata__", None)
+    spans = []
+    for key, info in header.items():
+        spans.append((*_check_entry(path, key, info), key))
+    position = 0
+    for begin, end, key in sorted(spans):
+        if begin != position:
+            problem = "overlaps the previous tensor" if begin < position else "leaves a gap before it"
+            raise KHAError(f"corrupt safetensors file {path}: tensor {key!r} {problem}")
+        position = end
     data_len = size - 8 - header_len
-    end = max((info["data_offsets"][1] for info in header.values()), default=0)
-    if end != data_len:
+    if position != data_len:
         raise KHAError(
-            f"truncated or corrupt safetensors file {path}: header describes {end} bytes of data, file holds {data_len}"
+            f"truncated or corrupt safetensors file {path}: header describes {position} bytes of data, "
+            f"file holds {data_len}"
         )
     return header
 
 
+def _check_entry(path: Path, key: str, info) -> tuple[int, int]:
+    """(begin, end) of one header entry after checking its dtype, shape and byte length."""
+    bad = f"corrupt safetensors file {path}: tensor {key!r}"
+    if not isinstance(info, dict):
+        raise KHAError(f"{bad} has no dtype/shape/data_offsets entry")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+        raise KHAError(f"{bad} has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise KHAError(f"{bad} has shape {shape!r}, not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise KHAError(f"{bad} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+    numel = 1
+    for n in shape:
+        numel *= n
+    expected = numel * SAFETENSORS_DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != expected:
+        raise KHAError(f"{bad}: {offsets[1] - offsets[0]} bytes for shape {shape} of {dtype} (needs {expected})")
+    return offsets[0], offsets[1]
+
+
+def read_index(folder: Path) -> dict[str, str]:
+    """The weight_map of FOLDER/model.safetensors.index.json, checked: tensor name -> plain shard file name."""
+    index_path = folder / INDEX_FILE
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise KHAError(f"{index_path} is not valid JSON: {err}") from err
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        raise KHAError(f"{index_path} must be a JSON object with a 'weight_map' object")
+    weight_map = index["weight_map"]
+    for file in weight_map.values():
+        member_path(folder, file, "shard")  # refuses absolute paths, separators and ..
+    return weight_map
+
+
 def read_checkpoint_index(folder: Path) -> dict[str, TensorInfo]:
     """Tensor name -> TensorInfo for a single-file or sharded safetensors checkpoint folder."""
-    index_path = folder / INDEX_FILE
-    if index_path.is_file():
-        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+    if (folder / INDEX_FILE).is_file():
+        weight_map = read_index(folder)
         files = sorted(set(weight_map.values()))
     elif (folder / SINGLE_FILE).is_file():
         weight_map, files = {}, [SINGLE_FILE]
@@ -78,10 +140,10 @@ def read_checkpoint_index(folder: Path) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     for name in files:
         for key, info in read_header(folder / name).items():
-            if info["dtype"] not in SAFETENSORS_DTYPES:
-                raise KHAError(f"unsupported tensor dtype {info['dtype']} for {key} in {name}")
+            if key in tensors:
+                raise KHAError(f"tensor {key!r} is stored twice: in {tensors[key].file} and in {name}")
             tensors[key] = TensorInfo(name, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]))
-    stray = [key for key, file in weight_map.items() if key not in tensors]
+    stray = [key for key, file in weight_map.items() if key not in tensors or tensors[key].file != file]
     if stray:
         raise KHAError(f"{INDEX_FILE} lists {stray[0]} in {weight_map[stray[0]]}, but that shard does not hold it")
     return tensors

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..errors import KHAError
+from ..common.errors import KHAError
+from ..common.loading import check_model_ref, find_gguf
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "LICENSE*"]
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 
@@ -21,18 +20,6 @@ class Source:
     folder: Path  # a folder with config.json and safetensors weights
     name: str  # what the model card calls the base model: the Hub id or the folder/file name
     gguf_file: Path | None = None
-
-
-def find_gguf(path: Path) -> Path | None:
-    """The GGUF file that `path` is or holds (exactly one), else None."""
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir() and not (path / "config.json").exists():
-        found = sorted(path.glob("*.gguf"))
-        if len(found) > 1:
-            raise KHAError(f"{path} holds several GGUF files; name one: {', '.join(p.name for p in found)}")
-        return found[0] if found else None
-    return None
 
 
 def download_from_hub(repo_id: str, revision: str | None = None, token: str | None = None) -> Path:
@@ -57,9 +44,8 @@ def resolve_source(src: str | Path, revision: str | None = None, token: str | No
             raise KHAError(f"{path} is a file; SRC must be a checkpoint folder, a .gguf file or a Hub id")
         check_local_folder(path)
         return Source(folder=path, name=path.resolve().name)
-    if HUB_ID.match(str(src)):
-        return Source(folder=download_from_hub(str(src), revision, token), name=str(src))
-    raise KHAError(f"{src}: no such file or folder, and not a Hub id of the form owner/name")
+    check_model_ref(src, "SRC")  # a missing local path is reported as such, not as a Hub failure
+    return Source(folder=download_from_hub(str(src), revision, token), name=str(src))
 
 
 def check_local_folder(folder: Path) -> None:
@@ -79,9 +65,12 @@ def read_config(folder: Path) -> dict:
     if not (folder / "config.json").is_file():
         raise KHAError(f"{folder} has no config.json: not a transformers checkpoint folder")
     try:
-        return json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as err:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise KHAError(f"{folder / 'config.json'} is not valid JSON: {err}") from err
+    if not isinstance(config, dict):
+        raise KHAError(f"{folder / 'config.json'} must hold a JSON object, not {type(config).__name__}")
+    return config
 
 
 def dequantize_gguf(gguf_file: Path, out: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import KHAError
+from ..common.errors import KHAError
 
 PROMPTS = (
     "The capital of France is",
@@ -53,12 +53,24 @@ def verify_conversion(
     prompts=PROMPTS,
     max_new_tokens: int = 16,
     echo=print,
+    tokenizer: str | Path | None = None,
+    trust_remote_code: bool = False,
 ) -> VerifyReport:
-    """Load both models, print max |Δlogit| and greedy tokens; raise KHAError unless they agree."""
-    from ..loading import load_causal_lm, torch_dtype
+    """Load both models, print max |Δlogit| and greedy tokens; raise KHAError unless they agree.
 
-    base_model, _ = load_causal_lm(base, dtype, device, attn_implementation="eager")
-    kha_model, tokenizer = load_causal_lm(kha_dir, dtype, device, attn_implementation="eager")
+    Code shipped inside BASE runs only with `trust_remote_code`; KHA_DIR loads with the installed kha_hf classes.
+    """
+    from ..common.loading import check_device, check_model_ref, load_causal_lm, read_config_dict, torch_dtype
+
+    check_model_ref(base, "BASE")
+    check_model_ref(kha_dir, "KHA_DIR")
+    check_device(device)
+    if (read_config_dict(Path(kha_dir)) or {}).get("model_type") != "kha":
+        raise KHAError(f"{kha_dir} is not a KHA checkpoint folder (its config.json has no model_type 'kha')")
+    base_model, _ = load_causal_lm(
+        base, dtype, device, attn_implementation="eager", trust_remote_code=trust_remote_code, tokenizer=tokenizer
+    )
+    kha_model, tokenizer = load_causal_lm(kha_dir, dtype, device, attn_implementation="eager", tokenizer=tokenizer)
     if getattr(kha_model.config, "model_type", None) != "kha":
         raise KHAError(f"{kha_dir} is not a KHA checkpoint")
     max_diff, base_tokens, kha_tokens = compare_models(base_model, kha_model, tokenizer, prompts, max_new_tokens)

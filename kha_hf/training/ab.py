@@ -2,25 +2,33 @@
 
 The KHA twin is built from a deep copy of the baseline's initial weights (`KHAForCausalLM.from_base`), so the two
 runs differ only by the knocks. Optimiser: the paper's (AdamW, wd 0.1, betas 0.9/0.95, clip 1.0, 5 % warmup,
-cosine to 10 %). Writes loss_curves.csv, loss_curves.png and summary.json.
+cosine to 10 %). Repeated over seeds (new initial weights and data order each), the paired differences give a
+95 % t-interval. Writes loss_curves.csv, loss_curves.png and summary.json.
 """
 
 from __future__ import annotations
 
 import copy
-import csv
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Qwen3Config
 
-from ..errors import KHAError
-from ..modeling_kha import KHAForCausalLM
+from ..common.errors import KHAError
+from ..modeling.modeling_kha import KHAForCausalLM
+from .ab_report import (
+    ArmRun,
+    arm_summary,
+    compare_arms,
+    plot_mean_curves,
+    print_comparison,
+    write_curves_csv,
+    write_json,
+)
 from .data import read_documents, train_heldout_split
 from .tokenizer import train_bpe_tokenizer
-from .train import paper_training_arguments
+from .train import check_training_numbers, paper_training_arguments
 from .trainer import KHATrainer
 
 
@@ -54,8 +62,8 @@ class ABPreset:
 
 
 AB_PRESETS = {
-    # about 10 minutes for both runs on 2 CPU cores
-    "cpu-tiny": ABPreset(256, 4, 8, 2, 32, 4096, 256, 8, 600, 3e-3),
+    # about 15 minutes for 3 seeds x 2 runs on 2 CPU cores
+    "cpu-tiny": ABPreset(256, 4, 8, 2, 32, 4096, 256, 8, 300, 3e-3),
     # one GPU, minutes
     "gpu-small": ABPreset(768, 12, 12, 4, 64, 8192, 1024, 16, 2000, 1e-3),
     # the paper's attention shape (32 query / 4 KV heads, head_dim 128): hours on one GPU
@@ -63,20 +71,15 @@ AB_PRESETS = {
 }
 
 
-@dataclass
-class ABRun:
-    name: str
-    curve: list[tuple[int, float]]
-    train_loss: float  # last logged training loss (mean over its logging window)
-    heldout_loss: float
-
-
 def _base_config(base: str, preset: ABPreset) -> PreTrainedConfig:
     if base in AB_PRESETS:
         return AB_PRESETS[base].config()
     path = Path(base)
     if path.exists():
-        return AutoConfig.from_pretrained(path)
+        try:
+            return AutoConfig.from_pretrained(path, trust_remote_code=False)
+        except (OSError, ValueError) as err:
+            raise KHAError(f"cannot read a model config from {path}: {err}") from err
     raise KHAError(f"{base!r} is neither an A/B preset ({', '.join(AB_PRESETS)}) nor a config file or folder")
 
 
@@ -90,11 +93,18 @@ def ab(
     lr: float | None = None,
     data: list[str] | None = None,
     seed: int = 0,
+    seeds: int = 3,
     bf16: bool = False,
     logging_steps: int | None = None,
     disable_tqdm: bool = False,
 ) -> dict:
-    """Run the A/B and return the summary (also written to OUTPUT/summary.json)."""
+    """Run the A/B for SEEDS seeds (SEED, SEED+1, ...) and return the summary (also OUTPUT/summary.json).
+
+    Each seed draws new initial weights and a new data order; the baseline and its KHA twin share both.
+    """
+    check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, seeds=seeds)
+    if lr is not None and not lr >= 0:
+        raise KHAError(f"lr must be >= 0, got {lr}")
     preset = AB_PRESETS.get(base, AB_PRESETS["cpu-tiny"])
     config = _base_config(base, preset)
     steps, seq, batch = max_steps or preset.max_steps, seq_len or preset.seq_len, batch_size or preset.batch_size
@@ -107,78 +117,60 @@ def ab(
     train_set, heldout_set = train_heldout_split(documents, tokenizer, seq)
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq} tokens")
 
-    torch.manual_seed(seed)
-    baseline = AutoModelForCausalLM.from_config(config)
-    try:
-        kha = KHAForCausalLM.from_base(copy.deepcopy(baseline), knock=knock)
-    except ValueError as err:
-        raise KHAError(str(err)) from err
-    n_params = sum(p.numel() for p in baseline.parameters())
-    print(f"baseline {config.model_type}: {n_params / 1e6:.1f}M parameters; KHA twin adds {knock}")
-
-    runs = []
-    for name, model in (("baseline", baseline), ("kha", kha)):
-        args = paper_training_arguments(
-            output / name,
-            max_steps=steps,
-            per_device_train_batch_size=batch,
-            per_device_eval_batch_size=batch,
-            learning_rate=lr or preset.lr,
-            logging_steps=logging_steps or max(1, steps // 50),
-            save_strategy="no",
-            seed=seed,
-            data_seed=seed,
-            bf16=bf16,
-            disable_tqdm=disable_tqdm,
-        )
-        trainer = KHATrainer(model=model, args=args, train_dataset=train_set, eval_dataset=heldout_set)
-        trainer.train()
-        heldout = trainer.evaluate()["eval_loss"]
-        curve = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-        runs.append(ABRun(name, curve, curve[-1][1], heldout))
+    runs: list[ArmRun] = []
+    for run_seed in range(seed, seed + seeds):
+        torch.manual_seed(run_seed)
+        baseline = AutoModelForCausalLM.from_config(config)
+        try:
+            kha = KHAForCausalLM.from_base(copy.deepcopy(baseline), knock=knock)
+        except ValueError as err:
+            raise KHAError(str(err)) from err
+        if run_seed == seed:
+            n_params = sum(p.numel() for p in baseline.parameters())
+            print(f"baseline {config.model_type}: {n_params / 1e6:.1f}M parameters; KHA twin adds {knock}")
+        for name, model in (("baseline", baseline), ("kha", kha)):
+            print(f"seed {run_seed}: training {name} ({steps} steps)")
+            args = paper_training_arguments(
+                output / name,
+                max_steps=steps,
+                per_device_train_batch_size=batch,
+                per_device_eval_batch_size=batch,
+                learning_rate=lr if lr is not None else preset.lr,
+                logging_steps=logging_steps or max(1, steps // 50),
+                save_strategy="no",
+                seed=run_seed,
+                data_seed=run_seed,
+                bf16=bf16,
+                disable_tqdm=disable_tqdm,
+            )
+            trainer = KHATrainer(model=model, args=args, train_dataset=train_set, eval_dataset=heldout_set)
+            trainer.train()
+            heldout = trainer.evaluate()["eval_loss"]
+            curve = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+            runs.append(ArmRun(name, run_seed, curve, curve[-1][1], heldout))
     return write_report(runs, output, knock, config, steps)
 
 
-def write_report(runs: list[ABRun], output: Path, knock: str, config, steps: int) -> dict:
-    baseline, kha = runs
-    with open(output / "loss_curves.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["step", "baseline_loss", "kha_loss"])
-        for (step, b), (_, k) in zip(baseline.curve, kha.curve, strict=True):
-            writer.writerow([step, f"{b:.5f}", f"{k:.5f}"])
+def write_report(runs: list[ArmRun], output: Path, knock: str, config, steps: int) -> dict:
+    comparison = compare_arms(runs, "kha", "baseline")
+    arms = arm_summary(runs)
     summary = {
         "knock": knock,
         "base_model_type": config.model_type,
         "steps": steps,
-        "baseline": {"train_loss": baseline.train_loss, "heldout_loss": baseline.heldout_loss},
-        "kha": {"train_loss": kha.train_loss, "heldout_loss": kha.heldout_loss},
-        "delta_train_loss": kha.train_loss - baseline.train_loss,
-        "delta_heldout_loss": kha.heldout_loss - baseline.heldout_loss,
+        "seeds": sorted({r.seed for r in runs}),
+        "delta_mean": comparison["delta_mean"],
+        "ci95": comparison["ci95"],
+        "excludes_zero": comparison["excludes_zero"],
+        "per_seed": comparison["per_seed"],
+        "arms": arms,
     }
-    (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(runs, output / "loss_curves.png", knock)
-    print(f"{'':10} {'train loss':>11} {'held-out loss':>14}")
-    for run in runs:
-        print(f"{run.name:10} {run.train_loss:>11.4f} {run.heldout_loss:>14.4f}")
-    print(f"{'Δ (KHA−base)':10} {summary['delta_train_loss']:>+11.4f} {summary['delta_heldout_loss']:>+14.4f}")
+    write_curves_csv(runs, output / "loss_curves.csv")
+    write_json(output / "summary.json", summary)
+    plot_mean_curves(runs, output / "loss_curves.png", f"from-scratch A/B: baseline vs KHA ({knock})")
+    print(f"{'seed':>6} {'baseline':>10} {'KHA':>10} {'Δ':>9}   (held-out loss)")
+    for row in comparison["per_seed"]:
+        print(f"{row['seed']:>6} {row['baseline_heldout']:>10.4f} {row['kha_heldout']:>10.4f} {row['delta']:>+9.4f}")
+    print_comparison(comparison)
     print(f"wrote {output / 'loss_curves.csv'}, {output / 'loss_curves.png'}, {output / 'summary.json'}")
     return summary
-
-
-def _plot(runs: list[ABRun], path: Path, knock: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for run, color in zip(runs, ("tab:gray", "tab:red"), strict=True):
-        steps, losses = zip(*run.curve, strict=True)
-        ax.plot(steps, losses, label=f"{run.name} (held-out {run.heldout_loss:.3f})", color=color)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(f"from-scratch A/B: baseline vs KHA ({knock})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from ..assets import shakespeare_files
-from ..errors import KHAError
+from ..common.assets import shakespeare_files
+from ..common.errors import KHAError
+from ..common.loading import HUB_ID
+from ..common.text_files import read_text_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text")
 
@@ -48,26 +50,36 @@ def read_documents(sources: Iterable[str] | None) -> list[str]:
             documents += [doc for f in files for doc in _read_file(f)]
         elif path.is_file():
             documents += _read_file(path)
-        elif "/" in source or not path.suffix:
+        elif _looks_like_hub_dataset(source):
             documents += _read_hub_dataset(source)
         else:
-            raise KHAError(f"{source}: no such file")
+            raise KHAError(f"{source}: no such file or folder (and not a Hub dataset of the form owner/name)")
     return documents
+
+
+def _looks_like_hub_dataset(name: str) -> bool:
+    """`owner/name` (unless `owner` is a local folder) or a bare name without a file suffix."""
+    if "/" not in name:
+        return not Path(name).suffix
+    return bool(HUB_ID.match(name)) and not Path(name.split("/", 1)[0]).is_dir()
 
 
 def _read_file(path: Path) -> list[str]:
     if path.suffix == ".jsonl":
         docs = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(read_text_file(path, "training file").splitlines(), 1):
             if line.strip():
                 try:
-                    docs.append(json.loads(line)["text"])
+                    text = json.loads(line)["text"]
                 except (json.JSONDecodeError, KeyError, TypeError) as err:
                     raise KHAError(f"{path}:{n}: expected a JSON object with a 'text' field") from err
+                if not isinstance(text, str):
+                    raise KHAError(f"{path}:{n}: the 'text' field must be a string, not {type(text).__name__}")
+                docs.append(text)
         return docs
     if path.suffix not in TEXT_SUFFIXES:
         raise KHAError(f"{path}: unsupported file type (use .txt, .md or .jsonl)")
-    return [path.read_text(encoding="utf-8")]
+    return [read_text_file(path, "training file")]
 
 
 def _read_hub_dataset(name: str, split: str = "train", column: str = "text") -> list[str]:

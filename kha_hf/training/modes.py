@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..errors import KHAError
-from ..params import KNOCK_MODULE_NAMES, is_knock_parameter
+from ..common.errors import KHAError
+from .params import KNOCK_MODULE_NAMES, is_knock_parameter
 
 MODES = ("knocks", "lora", "full")
 DEFAULT_LR = {"knocks": 1e-3, "lora": 2e-4, "full": 5e-5}

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, TrainingArguments
+from transformers import TrainingArguments
 
-from ..errors import KHAError
-from ..modeling_kha import KHAForCausalLM
+from ..common.errors import KHAError
+from ..common.loading import check_model_ref, load_tokenizer, read_config_dict
+from ..modeling.configuration_kha import SUPPORTED_BASE_MODEL_TYPES
+from ..modeling.modeling_kha import KHAForCausalLM
 from .data import read_documents, train_heldout_split
 from .modes import DEFAULT_LR, prepare_for_mode
 from .trainer import CheckpointCodeCallback, KHATrainer
@@ -29,6 +31,26 @@ class TrainResult:
     log_history: list[dict] = field(default_factory=list)
     adapter_dir: Path | None = None
     heldout_loss_before: float | None = None
+
+
+def check_training_numbers(**numbers: int | None) -> None:
+    """Step counts and sizes must be positive integers (the CLI checks too; this guards API callers)."""
+    for name, value in numbers.items():
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise KHAError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_trainable_config(folder: Path) -> None:
+    """A local MODEL must be a KHA checkpoint or a base checkpoint of a supported family."""
+    config = read_config_dict(folder)
+    if config is None:
+        raise KHAError(f"{folder} has no readable config.json: not a transformers checkpoint folder")
+    model_type = config.get("model_type")
+    if model_type != "kha" and model_type not in SUPPORTED_BASE_MODEL_TYPES:
+        raise KHAError(
+            f"{folder} is a {model_type!r} model; kha trains KHA checkpoints and base checkpoints of: "
+            f"{', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
+        )
 
 
 def paper_training_arguments(output_dir: Path, **overrides) -> TrainingArguments:
@@ -75,18 +97,26 @@ def train(
     max_eval_blocks: int | None = 256,
     disable_tqdm: bool = False,
     eval_before: bool = False,
+    tokenizer: str | Path | None = None,
 ) -> TrainResult:
     """Train MODEL_PATH (a KHA checkpoint) and save the result to OUTPUT_DIR; returns final losses."""
+    check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum)
+    for name, value in (("lr", lr), ("knock_lr", knock_lr)):
+        if value is not None and not value >= 0:
+            raise KHAError(f"{name} must be >= 0, got {value}")
     output_dir = Path(output_dir)
+    check_model_ref(model_path)
     if Path(model_path).exists():  # adapters record their base model's path: make it absolute
         model_path = Path(model_path).resolve()
+        check_trainable_config(model_path)
+    documents = read_documents(data)  # bad data fails before anything is loaded
+    tok = load_tokenizer(model_path, tokenizer)
+    train_set, heldout_set = train_heldout_split(documents, tok, seq_len, max_heldout_blocks=max_eval_blocks)
     try:
         model = KHAForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if bf16 else torch.float32)
     except (OSError, ValueError) as err:
         raise KHAError(f"cannot load a KHA model from {model_path}: {err}") from err
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    documents = read_documents(data)
-    train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_heldout_blocks=max_eval_blocks)
+    tokenizer = tok
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
 
     model = prepare_for_mode(model, mode, lora_r=lora_r)

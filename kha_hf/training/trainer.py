@@ -8,8 +8,8 @@ from pathlib import Path
 
 from transformers import Trainer, TrainerCallback
 
-from ..conversion.output import copy_model_code
-from ..params import is_knock_parameter, knock_distance_from_init, optimizer_param_groups
+from ..common.model_code import copy_model_code
+from .params import is_knock_parameter, knock_distance_from_init, optimizer_param_groups
 
 
 class KHATrainer(Trainer):

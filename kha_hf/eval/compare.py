@@ -8,8 +8,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import KHAError
-from ..loading import load_causal_lm
+from ..common.errors import KHAError
+from ..common.loading import check_device, check_model_ref, load_causal_lm
+from ..common.statistics import paired_difference
+from ..common.text_files import read_text_file
 from .local_tasks import local_task_configs
 from .perplexity import load_evaluate_metric, perplexity
 from .suites import resolve_tasks
@@ -22,6 +24,7 @@ class ModelResult:
     metrics: dict[tuple[str, str], tuple[float, float | None]]  # (task, metric) -> (value, stderr)
     raw: dict = field(default_factory=dict)
     perplexity: dict | None = None
+    per_doc: dict[tuple[str, str], dict] = field(default_factory=dict)  # (task, metric) -> {doc key: score}
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -80,22 +83,67 @@ def evaluate_model(
     perplexity_file: str | None,
     perplexity_metric=None,
     task_manager=None,
+    trust_remote_code: bool = False,
 ) -> ModelResult:
-    """Run lm-eval on one model; pass one `task_manager` to several calls to index lm-eval's tasks once."""
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
+    """Load REF and run lm-eval on it; pass one `task_manager` to several calls to index lm-eval's tasks once."""
     from lm_eval.tasks import TaskManager
 
     task_manager = task_manager or TaskManager()
-    groups: dict[str, list[str]] = {}
-    task_specs: list = tasks
+    prepared = lm_eval_tasks(tasks, local, task_manager)  # before loading: bad names fail fast
+    # code inside REF runs only with trust_remote_code
+    model, tokenizer = load_causal_lm(ref, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    result = evaluate_loaded(
+        label,
+        str(ref),
+        model,
+        tokenizer,
+        tasks,
+        local,
+        limit,
+        num_fewshot,
+        batch_size,
+        device,
+        seed,
+        task_manager,
+        prepared,
+    )
+    if perplexity_file:
+        result.perplexity = perplexity(model, tokenizer, perplexity_file, perplexity_metric, ref)
+    return result
+
+
+def lm_eval_tasks(tasks: list[str], local: bool, task_manager) -> tuple[list, dict[str, list[str]]]:
+    """What to hand lm-eval for TASKS (names, or configs redirected to the local copies) and their groups."""
     if local:
-        task_specs, groups = local_task_configs(tasks, task_manager)
-    else:
-        missing = [t for t in tasks if t not in task_manager.task_index]
-        if missing:
-            raise KHAError(f"lm-eval has no task {', '.join(missing)}")
-    model, tokenizer = load_causal_lm(ref, dtype=dtype, device=device)  # after the tasks are known to exist
+        return local_task_configs(tasks, task_manager)
+    missing = [t for t in tasks if t not in task_manager.task_index]
+    if missing:
+        raise KHAError(f"lm-eval has no task {', '.join(missing)}")
+    return list(tasks), {}
+
+
+def evaluate_loaded(
+    label: str,
+    ref: str,
+    model,
+    tokenizer,
+    tasks: list[str],
+    local: bool,
+    limit: int | None,
+    num_fewshot: int | None,
+    batch_size: int,
+    device: str,
+    seed: int,
+    task_manager,
+    prepared: tuple[list, dict] | None = None,
+) -> ModelResult:
+    """lm-eval on a model already in memory, with per-document scores kept for the paired comparison.
+
+    `prepared`: the output of `lm_eval_tasks` when the caller already built it."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    task_specs, groups = prepared or lm_eval_tasks(tasks, local, task_manager)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", device=device, batch_size=batch_size)
     print(f"[{label}] evaluating {ref} on {', '.join(tasks)}" + (f" (limit {limit})" if limit else ""))
     raw = simple_evaluate(
@@ -108,34 +156,64 @@ def evaluate_model(
         numpy_random_seed=seed,
         torch_random_seed=seed,
         fewshot_random_seed=seed,
-        log_samples=False,
+        log_samples=True,  # per-document scores, for the paired comparison
     )
     metrics = summarize(raw["results"], groups, raw.get("n-samples", {}))
-    ppl = perplexity(model, tokenizer, perplexity_file, perplexity_metric, ref) if perplexity_file else None
-    return ModelResult(label, str(ref), metrics, raw, ppl)
+    per_doc = per_document_scores(raw.pop("samples", {}), groups)
+    return ModelResult(label, ref, metrics, raw, None, per_doc)
+
+
+def check_eval_inputs(refs: list[str], limit: int | None, device: str, perplexity_file: str | None) -> None:
+    """Bad inputs fail here, in one line, before any model is loaded."""
+    for ref in refs:
+        check_model_ref(ref)
+    if limit is not None and limit <= 0:
+        raise KHAError(f"--limit must be a positive number of documents, got {limit}")
+    check_device(device)
+    if perplexity_file is not None:
+        read_text_file(perplexity_file, "--perplexity file")
 
 
 def comparison_rows(baseline: ModelResult | None, candidate: ModelResult) -> list[dict]:
+    """One row per (task, metric): each model's value ± stderr and, with a baseline, the paired difference."""
     rows = []
     for key in sorted(candidate.metrics):
         value_c, se_c = candidate.metrics[key]
         row = {"task": key[0], "metric": key[1], "candidate": value_c, "candidate_stderr": se_c}
         if baseline is not None and key in baseline.metrics:
             value_b, se_b = baseline.metrics[key]
-            delta = value_c - value_b
-            combined = math.sqrt((se_b or 0) ** 2 + (se_c or 0) ** 2)
-            row.update(
-                baseline=value_b,
-                baseline_stderr=se_b,
-                delta=delta,
-                significant=bool(combined > 0 and abs(delta) > 2 * combined),
-            )
+            row.update(baseline=value_b, baseline_stderr=se_b, delta=value_c - value_b)
+            paired = paired_rows(baseline.per_doc.get(key, {}), candidate.per_doc.get(key, {}))
+            if paired is not None:
+                row["paired"] = paired
+                row["significant"] = paired["p_value"] < 0.05
         rows.append(row)
     return rows
 
 
+def paired_rows(baseline: dict, candidate: dict) -> dict | None:
+    """Paired statistics over the documents both models scored (same ids, same order), or None if none."""
+    common = sorted(baseline.keys() & candidate.keys())
+    if not common:
+        return None
+    if len(common) != len(baseline) or len(common) != len(candidate):
+        raise KHAError("the two models were scored on different documents; rerun both with the same settings")
+    stats = paired_difference([baseline[k] for k in common], [candidate[k] for k in common])
+    return {k: stats[k] for k in ("delta", "stderr", "ci95", "p_value", "n", "discordant", "test")}
+
+
 def _pm(value: float, stderr: float | None) -> str:
     return f"{value:.4f} ± {stderr:.4f}" if stderr is not None else f"{value:.4f}"
+
+
+def format_delta(row: dict) -> tuple[str, str]:
+    """('Δ [95 % CI]', 'p') cells of a comparison row."""
+    paired = row.get("paired")
+    if paired is None:
+        return f"{row['delta']:+.4f}", "n/a"
+    low, high = paired["ci95"]
+    p = paired["p_value"]
+    return f"{paired['delta']:+.4f} [{low:+.4f}, {high:+.4f}]", ("1" if p == 1 else f"{p:.3g}")
 
 
 def markdown_table(rows: list[dict], baseline: ModelResult | None, candidate: ModelResult) -> str:
@@ -143,15 +221,24 @@ def markdown_table(rows: list[dict], baseline: ModelResult | None, candidate: Mo
         lines = ["| task | metric | candidate |", "|---|---|---|"]
         lines += [f"| {r['task']} | {r['metric']} | {_pm(r['candidate'], r['candidate_stderr'])} |" for r in rows]
     else:
-        lines = ["| task | metric | baseline | candidate | Δ | \\|Δ\\| > 2·stderr |", "|---|---|---|---|---|---|"]
+        lines = [
+            "| task | metric | baseline | candidate | Δ [95 % CI] (paired) | p | n |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             if "baseline" not in r:
                 continue
-            significant = "yes" if r["significant"] else "no"
+            delta, p = format_delta(r)
+            n = r["paired"]["n"] if "paired" in r else ""
             lines.append(
                 f"| {r['task']} | {r['metric']} | {_pm(r['baseline'], r['baseline_stderr'])} | "
-                f"{_pm(r['candidate'], r['candidate_stderr'])} | {r['delta']:+.4f} | {significant} |"
+                f"{_pm(r['candidate'], r['candidate_stderr'])} | {delta} | {p} | {n} |"
             )
+        lines += [
+            "",
+            "Δ = candidate − baseline over the same documents; 95 % CI from the per-document differences; p from the "
+            "exact McNemar test (0/1 metrics) or a paired permutation test (continuous metrics).",
+        ]
     models = [m for m in (baseline, candidate) if m is not None]
     if any(m.perplexity for m in models):
         lines += ["", "| model | perplexity | tokens | method |", "|---|---|---|---|"]
@@ -159,6 +246,24 @@ def markdown_table(rows: list[dict], baseline: ModelResult | None, candidate: Mo
             p = m.perplexity
             lines.append(f"| {m.label}: {m.ref} | {p['perplexity']:.3f} | {p['tokens']} | {p['method']} |")
     return "\n".join(lines) + "\n"
+
+
+def per_document_scores(samples: dict, groups: dict[str, list[str]]) -> dict[tuple[str, str], dict]:
+    """lm-eval's logged samples -> (task, metric) -> {(subtask, doc_id): score}; group members (the MMLU
+    subjects) are pooled under their group, so the group is paired over all its documents."""
+    group_of = {sub: group for group, subs in groups.items() for sub in subs}
+    scores: dict[tuple[str, str], dict] = {}
+    for task, task_samples in samples.items():
+        for sample in task_samples:
+            filt = sample.get("filter", "none")
+            for metric in sample.get("metrics", []):
+                value = sample.get(metric)
+                if not isinstance(value, (int, float)):
+                    continue
+                name = metric if filt == "none" else f"{metric} ({filt})"
+                key = (group_of.get(task, task), name)
+                scores.setdefault(key, {})[(task, sample["doc_id"])] = float(value)
+    return scores
 
 
 def run_eval(
@@ -175,9 +280,11 @@ def run_eval(
     local_data: bool | None = None,
     perplexity_file: str | None = None,
     seed: int = 1234,
+    trust_remote_code: bool = False,
 ) -> dict:
     """Evaluate CANDIDATE (and BASELINE) with identical settings; write table.md, summary.json, raw results."""
     task_names = resolve_tasks(tasks, suite)
+    check_eval_inputs([r for r in (baseline, candidate) if r], limit, device, perplexity_file)
     if local_data is None:
         local_data = not hub_reachable()
         if local_data:
@@ -213,7 +320,7 @@ def run_eval(
         metric = load_evaluate_metric([r for r in (baseline, candidate) if r])
     from lm_eval.tasks import TaskManager
 
-    shared = dict(perplexity_metric=metric, task_manager=TaskManager())
+    shared = dict(perplexity_metric=metric, task_manager=TaskManager(), trust_remote_code=trust_remote_code)
     base_result = evaluate_model("baseline", baseline, **settings, **shared) if baseline else None
     cand_result = evaluate_model("candidate", candidate, **settings, **shared)
     for result in (base_result, cand_result):

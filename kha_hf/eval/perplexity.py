@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..common.text_files import read_text_file
+
 
 def strided_perplexity(model, tokenizer, text: str, max_length: int = 512, stride: int = 256) -> tuple[float, int]:
     """(perplexity, number of scored tokens)."""
@@ -52,7 +54,7 @@ def perplexity(
     model, tokenizer, path: str | Path, metric=None, model_ref: str | None = None, max_length: int = 512
 ) -> dict:
     """{"perplexity", "tokens", "method"} for the text in PATH (with `metric`: through evaluate)."""
-    text = Path(path).read_text(encoding="utf-8")
+    text = read_text_file(path, "--perplexity file")
     if metric is not None:
         chunks = [text[i : i + 2000] for i in range(0, len(text), 2000)]
         result = metric.compute(predictions=chunks, model_id=str(model_ref), max_length=max_length)

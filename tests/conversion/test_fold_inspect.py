@@ -11,9 +11,9 @@ import torch
 
 from kha_hf import KHAForCausalLM
 from kha_hf.cli import main
+from kha_hf.common.errors import KHAError
 from kha_hf.conversion.fold import fold
 from kha_hf.conversion.knock_stats import knock_statistics
-from kha_hf.errors import KHAError
 from tests.helpers import FAMILIES, assert_close, randomize_knocks, tiny_base_model
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kha_hf import KNOCK_PRESETS, KHAForCausalLM
-from kha_hf.knocks import KnockLinear
+from kha_hf.modeling.knocks import KnockLinear
 from tests.helpers import FAMILIES, assert_close, randomize_knocks, tiny_base_model
 
 ATTN = ["eager", "sdpa"]

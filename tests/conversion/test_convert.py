@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from kha_hf import KHAForCausalLM
 from kha_hf.cli import main
+from kha_hf.common.errors import KHAError
 from kha_hf.conversion import convert
 from kha_hf.conversion.converter import KNOCKS_FILE
-from kha_hf.errors import KHAError
 from tests.helpers import assert_close, tiny_base_model
 
 EXTRA_FILES = {
@@ -137,6 +137,7 @@ def test_existing_dst_refused_then_overwritten(sharded_llama, tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
+    (dst / "config.json").write_text("{}")  # a checkpoint folder: --overwrite may replace it
     with pytest.raises(KHAError, match="already exists.*--overwrite"):
         convert(src, dst, progress=False)
     assert (dst / "keep.txt").read_text() == "mine"
@@ -187,6 +188,9 @@ def test_kill_mid_way_leaves_dst_absent_and_src_intact(sharded_llama, tmp_path):
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert not (tmp_path / "out").exists()
     assert sha256_tree(src) == before
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".out.")], "SIGKILL leaves the temporary folder"
+    convert(src, tmp_path / "out", progress=False)  # the rerun removes it: its owner is gone
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
 
 
 def _cli_error(capsys, argv) -> str:
@@ -331,7 +335,7 @@ def test_verify_passes_for_conversion_and_fails_for_changed_knocks(sharded_llama
 
 @pytest.mark.slow
 def test_real_smollm2_gguf_converts_with_identical_logits(tmp_path):
-    from kha_hf.assets import smollm2_gguf
+    from kha_hf.common.assets import smollm2_gguf
 
     gguf = smollm2_gguf()
     out = convert(gguf, tmp_path / "smollm2-kha", knock="mlp_v", verify=True, progress=False).output

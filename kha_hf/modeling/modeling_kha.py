@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
@@ -43,6 +43,12 @@ from .knocks import KnockLinear, build_knock
 def _is_kha_config(config: Any) -> bool:
     # Not isinstance: with remote code, transformers may load the config class from another module copy.
     return getattr(config, "model_type", None) == KHAConfig.model_type
+
+
+def _is_kha_checkpoint(name_or_path: Any, hub_kwargs: dict) -> bool:
+    """True if the checkpoint's own config.json says model_type 'kha' (not a base checkpoint read as KHA)."""
+    config_dict, _ = PreTrainedConfig.get_config_dict(name_or_path, **hub_kwargs)
+    return config_dict.get("model_type") == KHAConfig.model_type
 
 
 class KnockedAttention(nn.Module):
@@ -143,16 +149,30 @@ class KHAPreTrainedModel(PreTrainedModel):
 
         Pass `config=KHAConfig.from_base(...)` to choose the knocks for a base checkpoint, or `knock=PRESET`.
         """
+        hub_keys = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+        hub_kwargs = {k: kwargs[k] for k in hub_keys if k in kwargs}
         if cls._family is None:
             if _is_kha_config(config):
                 cls = cls._concrete_class(config)
             else:
                 # Peek at the config file only to pick the family; the concrete class then loads it in full,
                 # with every keyword (knock=, attn_implementation=, config overrides) handled as transformers does.
-                hub_keys = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
-                hub_kwargs = {k: kwargs[k] for k in hub_keys if k in kwargs}
                 config_dict, _ = KHAConfig.get_config_dict(config or pretrained_model_name_or_path, **hub_kwargs)
+                if config_dict.get("model_type") != KHAConfig.model_type:  # neither KHA nor a supported family
+                    raise ValueError(
+                        f"{pretrained_model_name_or_path} is a {config_dict.get('model_type')!r} model; KHA supports: "
+                        f"{', '.join(cls._family_classes)}"
+                    )
                 cls = cls._family_classes[config_dict.get("base_model_type", KHAConfig.base_model_type)]
+        device_map = kwargs.get("device_map")
+        disk = kwargs.get("offload_folder") or (isinstance(device_map, dict) and "disk" in device_map.values())
+        if disk and not _is_kha_checkpoint(pretrained_model_name_or_path, hub_kwargs):
+            # accelerate's disk offload reads every weight from the checkpoint's files, and a base checkpoint has
+            # no knock tensors (transformers 5.24 / accelerate 1.x: KeyError at the first forward).
+            raise ValueError(
+                "disk offload needs the knocks in the checkpoint files, and this is a base checkpoint: "
+                "convert it first (`kha convert SRC DST`, streaming, no extra memory), then load DST"
+            )
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
 
     @classmethod
@@ -247,6 +267,12 @@ class KHAForCausalLM(KHAPreTrainedModel, GenerationMixin):
                 module.to_empty(device=device).to(dtype)
                 module.reset_parameters()
         model.tie_weights()
+        # Everything is in place (base tensors, identity knocks): mark it initialised as transformers' loading does,
+        # so a later `init_weights()` leaves the base weights alone instead of re-randomising them.
+        for module in model.modules():
+            module._is_hf_initialized = True
+            for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                tensor._is_hf_initialized = True
         model.generation_config = base_model.generation_config
         return model.eval() if not base_model.training else model
 

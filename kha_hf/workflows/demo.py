@@ -10,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-from .errors import KHAError
+from ..common.errors import KHAError
 
 
 def run_demo(
@@ -20,13 +20,14 @@ def run_demo(
     train_steps: int = 60,
     limit: int = 100,
     overwrite: bool = False,
+    trust_remote_code: bool = False,
 ) -> dict:
-    from .assets import smollm2_gguf
-    from .conversion import convert
-    from .conversion.knock_stats import format_table, knock_statistics, plot_knocks
-    from .evaluation.compare import comparison_rows, evaluate_model
-    from .evaluation.suites import SUITES
-    from .training.train import train
+    from ..common.assets import smollm2_gguf
+    from ..conversion import convert
+    from ..conversion.knock_stats import format_table, knock_statistics, plot_knocks
+    from ..eval.compare import comparison_rows, evaluate_model
+    from ..eval.suites import SUITES
+    from ..training.train import train
 
     start = time.perf_counter()
     output = Path(output)
@@ -75,7 +76,7 @@ def run_demo(
         perplexity_file=None,
     )
     results = [
-        evaluate_model("base", base, **settings, task_manager=task_manager),
+        evaluate_model("base", base, **settings, task_manager=task_manager, trust_remote_code=trust_remote_code),
         evaluate_model("kha", str(converted), **settings, task_manager=task_manager),
         evaluate_model("kha-trained", str(trained.output_dir), **settings, task_manager=task_manager),
     ]
@@ -116,7 +117,7 @@ def run_demo(
 
 def three_way_table(base, converted, trained) -> str:
     """Markdown: base vs converted (must be identical) vs trained, with the trained model's Δ and significance."""
-    from .evaluation.compare import comparison_rows
+    from ..eval.compare import comparison_rows
 
     def pm(value, stderr):
         return f"{value:.4f} ± {stderr:.4f}" if stderr is not None else f"{value:.4f}"

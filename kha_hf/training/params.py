@@ -68,7 +68,7 @@ def optimizer_param_groups(
 
 def knock_distance_from_init(model: nn.Module) -> float:
     """Mean over knock matrices of ‖W − W0‖_F (W0 = I, or 0 for MLP gates): how far training moved the knocks."""
-    from .knocks import KnockLinear
+    from ..modeling.knocks import KnockLinear
 
     distances = []
     for module in model.modules():

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from kha_hf.errors import KHAError
-from kha_hf.evaluation.compare import ModelResult, comparison_rows, markdown_table, summarize
-from kha_hf.evaluation.local_tasks import LOCAL_TASK_NAMES, local_task_configs
-from kha_hf.evaluation.perplexity import strided_perplexity
-from kha_hf.evaluation.suites import SUITES, resolve_tasks
+from kha_hf.common.errors import KHAError
+from kha_hf.eval.compare import ModelResult, comparison_rows, markdown_table, summarize
+from kha_hf.eval.local_tasks import LOCAL_TASK_NAMES, local_task_configs
+from kha_hf.eval.perplexity import strided_perplexity
+from kha_hf.eval.suites import SUITES, resolve_tasks
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_suites():
         resolve_tasks(None, "everything")
 
 
-def test_summary_aggregates_groups_and_table_flags_significance():
+def test_summary_aggregates_groups_and_table_shows_paired_statistics():
     results = {
         "mmlu_a": {"acc,none": 0.5, "acc_stderr,none": 0.1},
         "mmlu_b": {"acc,none": 0.2, "acc_stderr,none": 0.05},
@@ -72,13 +72,24 @@ def test_summary_aggregates_groups_and_table_flags_significance():
     assert acc == pytest.approx((0.5 * 10 + 0.2 * 30) / 40)
     assert se == pytest.approx(math.sqrt((10 * 0.1) ** 2 + (30 * 0.05) ** 2) / 40)
 
-    base = ModelResult("baseline", "a", {("t", "acc"): (0.50, 0.01), ("u", "acc"): (0.50, 0.05)})
-    cand = ModelResult("candidate", "b", {("t", "acc"): (0.56, 0.01), ("u", "acc"): (0.52, 0.05)})
+    # t: the candidate fixes 9 documents and breaks 1 (McNemar p = 2 * 11/1024); u: 3 fixed, 3 broken (p = 1)
+    docs = [("t", i) for i in range(40)]
+    b_t = {d: float(i < 20) for i, d in enumerate(docs)}
+    c_t = {d: float(i < 20 and i != 0 or 20 <= i < 29) for i, d in enumerate(docs)}
+    b_u = {d: float(i < 10) for i, d in enumerate(docs)}
+    c_u = {d: float(3 <= i < 13) for i, d in enumerate(docs)}
+    base = ModelResult("baseline", "a", {("t", "acc"): (0.50, 0.08), ("u", "acc"): (0.25, 0.07)})
+    cand = ModelResult("candidate", "b", {("t", "acc"): (0.70, 0.07), ("u", "acc"): (0.25, 0.07)})
+    base.per_doc = {("t", "acc"): b_t, ("u", "acc"): b_u}
+    cand.per_doc = {("t", "acc"): c_t, ("u", "acc"): c_u}
     rows = {r["task"]: r for r in comparison_rows(base, cand)}
-    assert rows["t"]["significant"] and not rows["u"]["significant"]
-    assert rows["t"]["delta"] == pytest.approx(0.06)
+    t, u = rows["t"]["paired"], rows["u"]["paired"]
+    assert t["delta"] == pytest.approx(0.2) and t["n"] == 40 and t["discordant"] == 10
+    assert t["p_value"] == pytest.approx(2 * 11 / 1024) and rows["t"]["significant"]
+    assert u["delta"] == 0 and u["p_value"] == 1 and not rows["u"]["significant"]
     table = markdown_table(list(rows.values()), base, cand)
-    assert "| t | acc | 0.5000 ± 0.0100 | 0.5600 ± 0.0100 | +0.0600 | yes |" in table
+    low, high = t["ci95"]
+    assert f"| t | acc | 0.5000 ± 0.0800 | 0.7000 ± 0.0700 | +0.2000 [{low:+.4f}, {high:+.4f}] | 0.0215 | 40 |" in table
     single = markdown_table(comparison_rows(None, cand), None, cand)
     assert single.splitlines()[0] == "| task | metric | candidate |"
 
@@ -105,8 +116,8 @@ def test_strided_perplexity_matches_a_full_window_forward():
 
 @pytest.mark.slow
 def test_smollm2_and_its_kha_conversion_score_identically(tmp_path, capsys):
-    from kha_hf.assets import smollm2_gguf
     from kha_hf.cli import main
+    from kha_hf.common.assets import smollm2_gguf
     from kha_hf.conversion import convert
 
     gguf = smollm2_gguf()
@@ -121,8 +132,7 @@ def test_smollm2_and_its_kha_conversion_score_identically(tmp_path, capsys):
         "--candidate",
         str(kha),
         "--tasks",
-        "arc_easy",
-        "copa",
+        "arc_easy,copa",  # lm-eval's comma-separated form
         "--limit",
         "8",
         "--output",
@@ -137,10 +147,14 @@ def test_smollm2_and_its_kha_conversion_score_identically(tmp_path, capsys):
     assert {r["task"] for r in rows} == {"arc_easy", "copa"}
     for row in rows:
         assert row["baseline"] == row["candidate"] and row["delta"] == 0 and not row["significant"], row
+        paired = row["paired"]
+        assert paired["delta"] == 0 and paired["ci95"] == [0, 0] and paired["p_value"] == 1, paired
+        assert paired["n"] == 8 and paired["discordant"] == 0
     ppl = summary["perplexity"]
     assert ppl["baseline"]["perplexity"] == ppl["candidate"]["perplexity"] > 1
     table = (tmp_path / "eval" / "table.md").read_text()
-    assert "| arc_easy | acc |" in table and "| copa | acc |" in table and "+0.0000 | no |" in table
+    assert "| arc_easy | acc |" in table and "| copa | acc |" in table
+    assert "+0.0000 [+0.0000, +0.0000] | 1 | 8 |" in table
     raw = json.loads((tmp_path / "eval" / "candidate_lm_eval.json").read_text())
     assert raw["results"]["arc_easy"]["sample_len"] == 8 and "n-samples" in raw
     assert summary["local_data_notes"] == {"arc_easy": "validation split (standard: test)"}

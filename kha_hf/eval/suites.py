@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import KHAError
+from ..common.errors import KHAError
 
 SUITES: dict[str, list[str]] = {
     # English benchmarks of the paper that lm-eval provides (code tasks left out: they execute model output)
@@ -31,8 +31,11 @@ PAPER_WITHOUT_LM_EVAL_TASK = ("CMATH",)
 def resolve_tasks(tasks: list[str] | None, suite: str | None) -> list[str]:
     if tasks and suite:
         raise KHAError("pass --tasks or --suite, not both")
-    if tasks:
-        return list(dict.fromkeys(tasks))
+    if tasks:  # lm-eval style `a,b` as well as separate arguments
+        names = [name.strip() for item in tasks for name in item.split(",") if name.strip()]
+        if not names:
+            raise KHAError("--tasks names no task")
+        return list(dict.fromkeys(names))
     suite = suite or "quick"
     if suite not in SUITES:
         raise KHAError(f"unknown suite {suite!r}; choose one of: {', '.join(SUITES)}")

@@ -1,0 +1,67 @@
+"""The `kha` command: builds the parser from one thin module per subcommand and reports `KHAError` as one line.
+
+Each `kha_hf/cli/<command>.py` holds `add_parser(sub)` (arguments only) and `run(args)` (one call into its part:
+conversion, training, eval); nothing here computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..common.errors import KHAError
+from . import ab, convert, demo, fold, inspect, push, train, verify
+from . import eval as eval_  # `eval_`: the module of `kha eval`, not the builtin
+from ._common import HelpFormatter, OneLineErrorParser
+
+EPILOG = """typical workflow:
+  kha convert Qwen/Qwen3-0.6B ./qwen3-kha --knock mlp_v --verify   # upgrade, outputs unchanged
+  kha verify Qwen/Qwen3-0.6B ./qwen3-kha                            # check parity again
+  kha train ./qwen3-kha --output ./qwen3-kha-trained --mode knocks  # teach the knocks
+  kha eval --baseline Qwen/Qwen3-0.6B --candidate ./qwen3-kha-trained --suite quick
+  kha inspect ./qwen3-kha-trained --plot knocks.png                 # what the knocks learned
+  kha fold ./llama-kha-linear ./llama-folded                        # KHA-Linear -> plain checkpoint
+  kha push ./qwen3-kha-trained me/qwen3-kha                         # share on the Hub
+  kha demo                                                          # all of it, offline, on SmolLM2-135M
+"""
+
+# in the order of `kha --help`
+COMMANDS = [convert, verify, train, ab, eval_, inspect, fold, push, demo]
+SUBCOMMANDS = [command.add_parser for command in COMMANDS]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(
+        prog="kha",
+        description="Knocking-Heads Attention (arXiv 2510.23052) for Hugging Face transformers.",
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except KHAError as err:
+        print(f"kha {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM/SIGHUP while writing a checkpoint
+        print(f"kha {args.command}: {err or 'interrupted'}", file=sys.stderr)
+        return 130
+    except OSError as err:  # the file system said no (read-only, full, permissions): not a bug of kha
+        where = f": {err.filename}" if err.filename else ""
+        print(f"kha {args.command}: error: {err.strerror or err}{where}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

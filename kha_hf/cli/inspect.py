@@ -1,0 +1,34 @@
+"""`kha inspect KHA_DIR`: knock statistics and heatmaps (kha_hf.conversion.knock_stats)."""
+
+from __future__ import annotations
+
+import sys
+
+from ._common import HelpFormatter
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="show how far each knock moved from identity, per layer (table, JSON, heatmaps)",
+        description="Per layer and knock: Frobenius distance from the initial value, mean diagonal, off-diagonal "
+        "mass, and for MLP gates their mean/std/max. Reads the knock tensors only.",
+        epilog="examples:\n  kha inspect ./smollm2-kha-trained\n  kha inspect ./smollm2-kha-trained --plot knocks.png"
+        "\n  kha inspect ./smollm2-kha-trained --json > knocks.json",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("kha_dir", metavar="KHA_DIR")
+    p.add_argument("--plot", metavar="PATH.png", help="write a heatmap grid (knocks x layers)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..conversion.knock_stats import format_table, knock_statistics, plot_knocks, to_json
+
+    rows = knock_statistics(args.kha_dir)
+    print(to_json(rows) if args.json else format_table(rows))
+    if args.plot:
+        path = plot_knocks(args.kha_dir, args.plot)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0

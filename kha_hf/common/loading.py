@@ -1,0 +1,181 @@
+"""Load any model the tools accept: a folder or Hub id (KHA or stock), or a GGUF file (dequantised).
+
+Code shipped inside a model folder (`auto_map` pointing at its own .py files) never runs unless the user passed
+`--trust-remote-code`. KHA checkpoints need none: kha_hf is installed, so its registered classes load them (the
+folder's code files are only compared with the installed ones, to say when they differ).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from .errors import KHAError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file that `path` is or holds (exactly one), else None."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise KHAError(f"{path} holds several GGUF files; name one: {', '.join(p.name for p in found)}")
+        return found[0] if found else None
+    return None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise KHAError(f"unknown dtype {name!r}; choose one of: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def check_device(device: str) -> str:
+    """DEVICE if torch can use it here, else KHAError naming what is available."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise KHAError(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps") from err
+    if parsed.type == "cpu":
+        return device
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise KHAError(f"device {device!r} is not available: this torch sees no CUDA GPU (use --device cpu)")
+        if parsed.index is not None and parsed.index >= count:
+            raise KHAError(f"device {device!r} does not exist: this machine has {count} CUDA device(s)")
+        return device
+    if parsed.type == "mps" and torch.backends.mps.is_available():
+        return device
+    raise KHAError(f"device {device!r} is not available on this machine (use --device cpu)")
+
+
+def check_model_ref(ref: str | Path, what: str = "model") -> None:
+    """A REF that is neither an existing path nor a Hub id is reported as a missing path (not as a Hub failure).
+
+    `owner/name` counts as a Hub id unless `owner` is a local folder (then it is a path that does not exist).
+    """
+    text = str(ref)
+    if Path(text).expanduser().exists():
+        return
+    if HUB_ID.match(text) and not Path(text.split("/", 1)[0]).is_dir():
+        return  # a Hub id: loading says what the Hub answered
+    raise KHAError(f"{what} {text!r}: no such file or folder (and not a Hub id of the form owner/name)")
+
+
+def read_config_dict(folder: Path) -> dict | None:
+    """config.json of a local folder as a dict, or None if there is none or it is not a JSON object."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def kha_code_matches_installed(folder: Path) -> bool:
+    """True if FOLDER holds the three KHA code files, byte for byte those of the installed kha_hf."""
+    from .model_code import model_code_files
+
+    for installed in model_code_files():
+        copy = folder / installed.name
+        if not copy.is_file() or _sha256(copy) != _sha256(installed):
+            return False
+    return True
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def remote_code_kwargs(ref: str | Path, trust_remote_code: bool = False, echo=print) -> dict:
+    """`trust_remote_code` for transformers' from_pretrained: False unless the user asked for it.
+
+    A KHA checkpoint loads through the installed kha_hf classes (registered with the Auto classes), so its own
+    code files never need to run; when they differ from the installed copy, say so once.
+    """
+    folder = Path(ref).expanduser()
+    config = read_config_dict(folder) if folder.is_dir() else None
+    # (importing any kha_hf module ran kha_hf/__init__, which registered the KHA classes with the Auto classes)
+    if config and config.get("model_type") == "kha" and not trust_remote_code:
+        if not kha_code_matches_installed(folder):
+            echo(
+                f"note: {folder} carries KHA code that differs from the installed kha_hf; loading it with the "
+                "installed code (pass --trust-remote-code to run the folder's own code instead)"
+            )
+    return {"trust_remote_code": bool(trust_remote_code)}
+
+
+def _remote_code_error(ref, err: Exception) -> KHAError | None:
+    text = str(err)
+    if "trust_remote_code" in text:
+        return KHAError(
+            f"{ref} ships its own model code (auto_map); it was not run. "
+            "Pass --trust-remote-code if you trust that code"
+        )
+    return None
+
+
+def load_tokenizer(ref: str | Path, tokenizer: str | Path | None = None, trust_remote_code: bool = False, gguf=None):
+    """The tokenizer of REF (or of TOKENIZER when given), with a one-line error that names --tokenizer."""
+    from transformers import AutoTokenizer
+
+    source = tokenizer or ref
+    if tokenizer is not None:
+        check_model_ref(tokenizer, "tokenizer")
+    folder = Path(source).expanduser()
+    if gguf is None and folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise KHAError(
+            f"{folder} has no tokenizer files"
+            + ("" if tokenizer else "; pass --tokenizer NAME_OR_PATH (e.g. the base model it was converted from)")
+        )
+    try:
+        if gguf is not None and tokenizer is None:
+            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as err:
+        reason = _remote_code_error(source, err) or str(err).strip().splitlines()[0]
+        raise KHAError(
+            f"cannot load a tokenizer from {source}: {reason}"
+            + ("" if tokenizer else "; pass --tokenizer NAME_OR_PATH to use another one")
+        ) from err
+
+
+def load_causal_lm(
+    ref: str | Path,
+    dtype: str = "float32",
+    device: str = "cpu",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    tokenizer: str | Path | None = None,
+):
+    """(model, tokenizer) for REF, in eval mode on DEVICE; code inside REF runs only with `trust_remote_code`."""
+    from transformers import AutoModelForCausalLM
+
+    check_model_ref(ref)
+    check_device(device)
+    path = Path(ref).expanduser()
+    gguf = find_gguf(path) if path.exists() else None
+    tok = load_tokenizer(ref, tokenizer, trust_remote_code, gguf)  # first: cheap, and its errors are the common ones
+    kwargs = {"dtype": torch_dtype(dtype)}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        if gguf is not None:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(ref, **remote_code_kwargs(ref, trust_remote_code), **kwargs)
+    except (OSError, ValueError) as err:
+        remote = _remote_code_error(ref, err)
+        if remote is not None:
+            raise remote from err
+        raise KHAError(f"cannot load model {str(ref)!r}: {str(err).strip().splitlines()[0]}") from err
+    return model.to(device).eval(), tok

@@ -1,0 +1,251 @@
+"""`kha ab --from MODEL`: should I convert a real checkpoint to KHA before continued training?
+
+MODEL (folder, Hub id or .gguf) is converted once; then four arms train with identical data, data order, steps,
+optimiser and seeds:
+
+- (a) `base-full`: the base model, every weight trained;          (b) `kha-full`: its KHA conversion, likewise.
+- (c) `kha-knocks`: only the knocks of the conversion train;      (d) `lora-matched`: a LoRA on the projections the
+  knocks act on (v_proj for mlp_v), with a rank whose trainable parameter count matches the knocks' within 5 %.
+
+(b − a) asks whether KHA adds anything to full training; (c − d) whether the knocks beat any other parameters of the
+same size added at the same place: a control that would help as much without KHA. Both differences are paired per
+seed and reported with a 95 % t-interval over seeds. `run_eval=True` adds the quick lm-eval suite on the first seed's
+models with the per-document paired statistics of `kha eval`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..common.errors import KHAError
+from ..common.loading import find_gguf, load_tokenizer
+from ..modeling.configuration_kha import KNOCK_PRESETS
+from ..training.ab_report import (
+    ArmRun,
+    arm_summary,
+    compare_arms,
+    plot_mean_curves,
+    print_comparison,
+    write_curves_csv,
+    write_json,
+)
+from ..training.params import count_knock_parameters
+
+ARMS = ("base-full", "kha-full", "kha-knocks", "lora-matched")
+COMPARISONS = (("kha-full", "base-full"), ("kha-knocks", "lora-matched"))
+MATCH_TOLERANCE = 0.05
+
+
+def lora_targets(knock: str) -> list[str]:
+    """The projections the knocks of KNOCK act on: v_proj for value knocks, q/k/v_proj for Q/K/V knocks."""
+    q, k, v = KNOCK_PRESETS[knock]
+    return [f"{t}_proj" for t, kind in zip("qkv", (q, k, v), strict=True) if kind != "none"]
+
+
+def matched_lora_rank(model: nn.Module, targets: list[str], knock_parameters: int) -> tuple[int, int]:
+    """(rank, LoRA parameter count) on TARGETS closest to KNOCK_PARAMETERS: a rank r adds r·(in+out) per module."""
+    per_rank = sum(
+        m.in_features + m.out_features
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    )
+    if per_rank == 0:
+        raise KHAError(f"the base model has no {', '.join(targets)} modules for the LoRA control")
+    rank = max(1, round(knock_parameters / per_rank))
+    return rank, rank * per_rank
+
+
+def _trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def continued_ab(
+    model: str,
+    output: str | Path = "kha-ab-continued",
+    knock: str = "mlp_v",
+    max_steps: int = 24,
+    seq_len: int = 128,
+    batch_size: int = 4,
+    lr_full: float = 5e-5,
+    lr_small: float = 1e-3,
+    data: list[str] | None = None,
+    seed: int = 0,
+    seeds: int = 3,
+    max_eval_blocks: int = 16,
+    run_eval: bool = False,
+    limit: int = 100,
+    tokenizer: str | None = None,
+    trust_remote_code: bool = False,
+) -> dict:
+    """Run the four arms over SEEDS seeds; write loss_curves.csv/.png and summary.json to OUTPUT."""
+    from transformers import AutoModelForCausalLM
+
+    from ..conversion import convert
+    from ..conversion.source import dequantize_gguf, resolve_source
+    from ..modeling.modeling_kha import KHAForCausalLM
+    from ..training.data import read_documents, train_heldout_split
+    from ..training.modes import prepare_for_mode
+    from ..training.train import check_training_numbers
+
+    check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, seeds=seeds)
+    if knock not in KNOCK_PRESETS:
+        raise KHAError(f"unknown knock preset {knock!r}; choose one of: {', '.join(KNOCK_PRESETS)}")
+    start = time.perf_counter()
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+
+    # 1. one conversion; the base arms read the same (dequantised) weights
+    source = resolve_source(model)
+    base_dir = source.folder
+    if find_gguf(Path(model)) is not None:
+        base_dir = output / "base"
+        if not (base_dir / "config.json").is_file():
+            print(f"dequantising {source.gguf_file.name} to {base_dir}")
+            dequantize_gguf(source.gguf_file, base_dir)
+    kha_dir = output / "kha"
+    print(f"converting {base_dir} to KHA ({knock}) in {kha_dir}")
+    convert(base_dir, kha_dir, knock=knock, link=True, overwrite=kha_dir.exists(), progress=False)
+
+    tok = load_tokenizer(base_dir, tokenizer, trust_remote_code)
+    documents = read_documents(data)
+    train_set, heldout_set = train_heldout_split(documents, tok, seq_len, max_heldout_blocks=max_eval_blocks)
+    print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
+
+    def build(arm: str, run_seed: int) -> nn.Module:
+        torch.manual_seed(run_seed)  # the LoRA A matrices are random
+        if arm in ("kha-full", "kha-knocks"):
+            built = KHAForCausalLM.from_pretrained(kha_dir, dtype=torch.float32)
+            return prepare_for_mode(built, "full" if arm == "kha-full" else "knocks")
+        built = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        if arm == "base-full":
+            return built.requires_grad_(True)
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
+        )
+        return get_peft_model(built, config)
+
+    # 2. the matched control: LoRA rank from the knocks' parameter count
+    probe = KHAForCausalLM.from_pretrained(kha_dir, dtype=torch.float32)
+    knock_parameters = count_knock_parameters(probe)
+    targets = lora_targets(knock)
+    rank, lora_parameters = matched_lora_rank(probe, targets, knock_parameters)
+    del probe
+    mismatch = abs(lora_parameters - knock_parameters) / knock_parameters
+    print(
+        f"trainable parameters: knocks {knock_parameters:,}; LoRA r={rank} on {', '.join(targets)}: "
+        f"{lora_parameters:,} ({mismatch:.1%} apart)"
+    )
+    if mismatch > MATCH_TOLERANCE:
+        print(f"warning: no LoRA rank matches the knocks within {MATCH_TOLERANCE:.0%}; the control is approximate")
+
+    runs: list[ArmRun] = []
+    kept: dict[str, nn.Module] = {}
+    before: dict[str, float] = {}
+    for run_seed in range(seed, seed + seeds):
+        for arm in ARMS:
+            built = build(arm, run_seed)
+            result = _train_arm(
+                built,
+                arm,
+                run_seed,
+                output,
+                train_set,
+                heldout_set,
+                max_steps,
+                batch_size,
+                lr_full if arm.endswith("-full") else lr_small,
+                measure_before=arm not in before,
+            )
+            before.setdefault(arm, result.heldout_before)
+            result.heldout_before = before[arm]
+            result.trainable_parameters = _trainable(built)
+            runs.append(result)
+            print(
+                f"seed {run_seed} {arm:>12}: held-out {result.heldout_before:.4f} -> {result.heldout_loss:.4f} "
+                f"({result.trainable_parameters:,} trainable)"
+            )
+            if run_eval and run_seed == seed:
+                kept[arm] = built.merge_and_unload() if arm == "lora-matched" else built
+
+    comparisons = [compare_arms(runs, arm, control) for arm, control in COMPARISONS]
+    summary = {
+        "model": str(model),
+        "knock": knock,
+        "steps": max_steps,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "lr_full": lr_full,
+        "lr_small": lr_small,
+        "seeds": list(range(seed, seed + seeds)),
+        "knock_parameters": knock_parameters,
+        "lora": {"rank": rank, "targets": targets, "parameters": lora_parameters, "relative_difference": mismatch},
+        "arms": arm_summary(runs),
+        "comparisons": comparisons,
+    }
+    if run_eval:
+        summary["eval"] = _evaluate_arms(kept, tok, limit, output)
+    summary["minutes"] = (time.perf_counter() - start) / 60
+    write_curves_csv(runs, output / "loss_curves.csv")
+    plot_mean_curves(runs, output / "loss_curves.png", f"continued training from {Path(str(model)).name}")
+    write_json(output / "summary.json", summary)
+    print(f"\n{'arm':>12} {'held-out before':>16} {'after (mean)':>13}")
+    for arm, entry in summary["arms"].items():
+        print(f"{arm:>12} {entry['heldout_before_mean']:>16.4f} {entry['heldout_loss_mean']:>13.4f}")
+    for comparison in comparisons:
+        print_comparison(comparison)
+    print(f"wrote {output / 'loss_curves.csv'}, {output / 'loss_curves.png'}, {output / 'summary.json'}")
+    return summary
+
+
+def _train_arm(model, arm, run_seed, output, train_set, heldout_set, steps, batch_size, lr, measure_before) -> ArmRun:
+    from ..training.train import paper_training_arguments
+    from ..training.trainer import KHATrainer
+
+    args = paper_training_arguments(
+        output / "runs" / arm,
+        max_steps=steps,
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=batch_size,
+        learning_rate=lr,
+        logging_steps=max(1, steps // 12),
+        save_strategy="no",
+        seed=run_seed,
+        data_seed=run_seed,
+        disable_tqdm=True,
+    )
+    trainer = KHATrainer(model=model, args=args, train_dataset=train_set, eval_dataset=heldout_set)
+    heldout_before = trainer.evaluate()["eval_loss"] if measure_before else None
+    trainer.train()
+    heldout = trainer.evaluate()["eval_loss"]
+    curve = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    return ArmRun(arm, run_seed, curve, curve[-1][1], heldout, heldout_before)
+
+
+def _evaluate_arms(models: dict, tokenizer, limit: int, output: Path) -> list[dict]:
+    """The quick suite on the first seed's models; paired statistics for each comparison."""
+    from lm_eval.tasks import TaskManager
+
+    from ..eval.compare import comparison_rows, evaluate_loaded, markdown_table
+    from ..eval.suites import SUITES
+
+    task_manager = TaskManager()
+    results = {
+        arm: evaluate_loaded(
+            arm, arm, model.eval(), tokenizer, SUITES["quick"], True, limit, None, 8, "cpu", 1234, task_manager
+        )
+        for arm, model in models.items()
+    }
+    tables, rows = [], []
+    for arm, control in COMPARISONS:
+        pair_rows = comparison_rows(results[control], results[arm])
+        rows.append({"arm": arm, "control": control, "rows": pair_rows})
+        tables.append(f"### {arm} vs {control}\n\n" + markdown_table(pair_rows, results[control], results[arm]))
+    (output / "eval.md").write_text("\n".join(tables))
+    print("\n".join(tables))
+    return rows

@@ -1,0 +1,56 @@
+"""The package layout that README's "Layout" section describes: which part may import which.
+
+modeling/ imports no other part (it travels with checkpoints); common/ imports only modeling/; conversion/, eval/
+and training/ import modeling/, common/ and themselves, never each other; cli/ and demo.py sit on top.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import kha_hf
+
+ROOT = Path(kha_hf.__file__).parent
+ALLOWED = {
+    "modeling": {"modeling"},
+    "common": {"common", "modeling"},
+    "conversion": {"conversion", "common", "modeling"},
+    "eval": {"eval", "common", "modeling"},
+    "training": {"training", "common", "modeling"},
+}
+
+
+def _parts_imported(path: Path, part: str) -> set[str]:
+    """The kha_hf parts a file imports (relative or absolute imports, at any depth in the file)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if node.level == 1:  # a sibling
+                found.add(part)
+            else:  # `from ..common.errors import X` or `from ..modeling import modeling_kha`
+                found.add((node.module or node.names[0].name).split(".")[0])
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            for name in names:
+                if name == "kha_hf" or name.startswith("kha_hf."):
+                    found.add(name.split(".")[1] if "." in name else "kha_hf")
+    return found
+
+
+@pytest.mark.parametrize("part", sorted(ALLOWED))
+def test_part_imports_only_what_the_layout_allows(part):
+    files = sorted((ROOT / part).glob("*.py"))
+    assert files, f"kha_hf/{part}/ is missing"
+    for path in files:
+        bad = _parts_imported(path, part) - ALLOWED[part]
+        assert not bad, f"kha_hf/{part}/{path.name} imports {sorted(bad)}"
+
+
+def test_cli_has_one_module_per_subcommand():
+    from kha_hf.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    modules = {p.stem for p in (ROOT / "cli").glob("*.py") if not p.stem.startswith("_")}
+    assert modules == set(commands)
