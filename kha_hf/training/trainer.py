@@ -10,11 +10,13 @@ from transformers import Trainer, TrainerCallback
 
 from ..common.model_code import copy_model_code
 from .params import is_knock_parameter, knock_distance_from_init, optimizer_param_groups
+from .progress import use_readable_progress
 
 
 class KHATrainer(Trainer):
     def __init__(self, *args, knock_lr: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        use_readable_progress(self)  # a step bar and one line per log, not raw dicts
         self.knock_lr = knock_lr
         self._last_log = (time.perf_counter(), 0)
 

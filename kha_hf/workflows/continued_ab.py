@@ -33,30 +33,12 @@ from ..training.ab_report import (
     write_curves_csv,
     write_json,
 )
+from ..training.arms import train_arm
+from ..training.modes import MATCH_TOLERANCE, lora_targets, matched_lora_rank
 from ..training.params import count_knock_parameters
 
 ARMS = ("base-full", "kha-full", "kha-knocks", "lora-matched")
 COMPARISONS = (("kha-full", "base-full"), ("kha-knocks", "lora-matched"))
-MATCH_TOLERANCE = 0.05
-
-
-def lora_targets(knock: str) -> list[str]:
-    """The projections the knocks of KNOCK act on: v_proj for value knocks, q/k/v_proj for Q/K/V knocks."""
-    q, k, v = KNOCK_PRESETS[knock]
-    return [f"{t}_proj" for t, kind in zip("qkv", (q, k, v), strict=True) if kind != "none"]
-
-
-def matched_lora_rank(model: nn.Module, targets: list[str], knock_parameters: int) -> tuple[int, int]:
-    """(rank, LoRA parameter count) on TARGETS closest to KNOCK_PARAMETERS: a rank r adds r·(in+out) per module."""
-    per_rank = sum(
-        m.in_features + m.out_features
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets
-    )
-    if per_rank == 0:
-        raise KHAError(f"the base model has no {', '.join(targets)} modules for the LoRA control")
-    rank = max(1, round(knock_parameters / per_rank))
-    return rank, rank * per_rank
 
 
 def _trainable(model: nn.Module) -> int:
@@ -150,11 +132,11 @@ def continued_ab(
     for run_seed in range(seed, seed + seeds):
         for arm in ARMS:
             built = build(arm, run_seed)
-            result = _train_arm(
+            result = train_arm(
                 built,
                 arm,
                 run_seed,
-                output,
+                output / "runs" / arm,
                 train_set,
                 heldout_set,
                 max_steps,
@@ -201,30 +183,6 @@ def continued_ab(
         print_comparison(comparison)
     print(f"wrote {output / 'loss_curves.csv'}, {output / 'loss_curves.png'}, {output / 'summary.json'}")
     return summary
-
-
-def _train_arm(model, arm, run_seed, output, train_set, heldout_set, steps, batch_size, lr, measure_before) -> ArmRun:
-    from ..training.train import paper_training_arguments
-    from ..training.trainer import KHATrainer
-
-    args = paper_training_arguments(
-        output / "runs" / arm,
-        max_steps=steps,
-        per_device_train_batch_size=batch_size,
-        per_device_eval_batch_size=batch_size,
-        learning_rate=lr,
-        logging_steps=max(1, steps // 12),
-        save_strategy="no",
-        seed=run_seed,
-        data_seed=run_seed,
-        disable_tqdm=True,
-    )
-    trainer = KHATrainer(model=model, args=args, train_dataset=train_set, eval_dataset=heldout_set)
-    heldout_before = trainer.evaluate()["eval_loss"] if measure_before else None
-    trainer.train()
-    heldout = trainer.evaluate()["eval_loss"]
-    curve = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-    return ArmRun(arm, run_seed, curve, curve[-1][1], heldout, heldout_before)
 
 
 def _evaluate_arms(models: dict, tokenizer, limit: int, output: Path) -> list[dict]:

@@ -1,0 +1,58 @@
+"""Training output people can read: a step bar (step/total, rate, ETA) and one line per log instead of raw dicts."""
+
+from __future__ import annotations
+
+from transformers import PrinterCallback, ProgressCallback
+
+
+def format_log(logs: dict, step: int, max_steps: int) -> str:
+    """One line: step, loss, learning rate, tokens/s and knock distance for training logs; held-out loss for evals."""
+    if "loss" in logs:
+        parts = [f"step {step}/{max_steps}", f"loss {logs['loss']:.4f}"]
+        if "learning_rate" in logs:
+            parts.append(f"lr {float(logs['learning_rate']):.2e}")
+        if "tokens_per_second" in logs:
+            parts.append(f"{logs['tokens_per_second']:,.0f} tok/s")
+        if "knock_distance" in logs:
+            parts.append(f"knock distance {logs['knock_distance']:.4f}")
+        return "  ".join(parts)
+    if "eval_loss" in logs:
+        return f"step {step}/{max_steps}  held-out loss {logs['eval_loss']:.4f}"
+    if "train_runtime" in logs:
+        mean_loss = logs.get("train_loss", float("nan"))
+        return f"trained {step} steps in {logs['train_runtime']:.0f} s, mean loss {mean_loss:.4f}"
+    return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in logs.items())
+
+
+class ReadableProgress(ProgressCallback):
+    """transformers' progress bar with readable log lines; without a bar (`disable_tqdm`) the lines alone."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not args.disable_tqdm:
+            super().on_train_begin(args, state, control, **kwargs)
+        self.current_step = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            super().on_step_end(args, state, control, **kwargs)
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if not args.disable_tqdm:
+            super().on_prediction_step(args, state, control, eval_dataloader=eval_dataloader, **kwargs)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        line = format_log(logs, state.global_step, state.max_steps)
+        (self.training_bar.write if self.training_bar is not None else print)(line)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            super().on_train_end(args, state, control, **kwargs)
+
+
+def use_readable_progress(trainer) -> None:
+    """Replace the Trainer's default progress/printer callback with `ReadableProgress`."""
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(ReadableProgress)
