@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from ..common.errors import KHAError
-from . import ab, convert, demo, fold, inspect, push, train, verify
+from . import ab, assets, convert, demo, fold, inspect, push, train, verify
 from . import eval as eval_  # `eval_`: the module of `kha eval`, not the builtin
 from ._common import HelpFormatter, OneLineErrorParser
 
@@ -23,10 +23,11 @@ EPILOG = """typical workflow:
   kha fold ./llama-kha-linear ./llama-folded                        # KHA-Linear -> plain checkpoint
   kha push ./qwen3-kha-trained me/qwen3-kha                         # share on the Hub
   kha demo                                                          # all of it, offline, on SmolLM2-135M
+  kha assets                                                        # where the offline model and data live
 """
 
 # in the order of `kha --help`
-COMMANDS = [convert, verify, train, ab, eval_, inspect, fold, push, demo]
+COMMANDS = [convert, verify, train, ab, eval_, inspect, fold, push, demo, assets]
 SUBCOMMANDS = [command.add_parser for command in COMMANDS]
 
 

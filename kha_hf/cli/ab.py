@@ -7,7 +7,7 @@ from ._common import HelpFormatter, non_negative_float, positive_int
 
 
 def add_parser(sub) -> None:
-    from ..training.ab import AB_PRESETS
+    from ..training.ab_presets import AB_PRESETS
 
     p = sub.add_parser(
         "ab",

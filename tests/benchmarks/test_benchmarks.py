@@ -15,6 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
         ("train_step.py", [], ["ratio vs baseline", "mlp_v_linear_qk", "saved for backward"]),
         ("decode.py", ["--compile"], ["linear_qkv folded", "aten ops / step", "torch.compile + static cache"]),
         ("convert_memory.py", [], ["kha convert (copy)", "naive load-modify-save", "kha fold"]),
+        ("cli_startup.py", [], ["ratio vs transformers --help", "kha train --help", "argument error"]),
     ],
 )
 def test_benchmark_quick_mode_reports(script, extra_args, expected):

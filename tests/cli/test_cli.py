@@ -3,12 +3,13 @@
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from kha_hf.cli import SUBCOMMANDS, build_parser, main
 
-NAMES = ["convert", "verify", "train", "ab", "eval", "inspect", "fold", "push", "demo"]
+NAMES = ["convert", "verify", "train", "ab", "eval", "inspect", "fold", "push", "demo", "assets"]
 
 
 def test_every_subcommand_is_registered():
@@ -65,3 +66,29 @@ def test_push_uploads_the_folder(tmp_path, monkeypatch, capsys):
     assert calls["upload"]["folder_path"] == str(tmp_path)
     assert main(["push", str(tmp_path / "missing"), "me/x"]) == 2
     assert "not a checkpoint folder" in capsys.readouterr().err
+
+
+def test_assets_prints_real_paths(capsys):
+    assert main(["assets"]) == 0
+    lines = dict(line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines())
+    assert lines["smollm2_gguf"].endswith(".gguf") and Path(lines["smollm2_gguf"]).is_file()
+    assert (Path(lines["eval_datasets"]) / "hellaswag").is_dir() and Path(lines["shakespeare"]).is_dir()
+    assert main(["assets", "--gguf"]) == 0
+    assert capsys.readouterr().out.strip() == lines["smollm2_gguf"]
+
+
+def test_help_and_argument_errors_import_no_heavy_libraries():
+    # Checked by sys.modules in a fresh process, not by timing: help must not pay for lm-eval, PEFT or datasets.
+    script = (
+        "import sys\n"
+        "from kha_hf.cli import main\n"
+        f"for argv in [['--help']] + [[n, '--help'] for n in {NAMES!r}] + [['train', 'x', '--max-steps', '0']]:\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in ('lm_eval', 'peft', 'datasets') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]

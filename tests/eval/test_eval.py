@@ -159,3 +159,17 @@ def test_smollm2_and_its_kha_conversion_score_identically(tmp_path, capsys):
     assert raw["results"]["arc_easy"]["sample_len"] == 8 and "n-samples" in raw
     assert summary["local_data_notes"] == {"arc_easy": "validation split (standard: test)"}
     assert (tmp_path / "eval" / "baseline_lm_eval.json").exists()
+
+
+def test_only_the_expected_lm_eval_warnings_are_silenced(caplog):
+    import logging
+
+    from kha_hf.eval.quiet import quiet_lm_eval
+
+    logger = logging.getLogger("lm_eval.api.task")
+    with caplog.at_level(logging.WARNING), quiet_lm_eval():
+        logger.warning("[Task: copa] metric acc is defined, but aggregation is not. using default aggregation=mean")
+        logger.warning("something real went wrong")
+    assert [r.getMessage() for r in caplog.records] == ["something real went wrong"]
+    logger.warning("[Task: copa] metric acc is defined, but aggregation is not.")  # outside: shown again
+    assert len(caplog.records) == 2
