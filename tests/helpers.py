@@ -38,12 +38,19 @@ def tiny_configs() -> dict[str, PreTrainedConfig]:
         "qwen3": Qwen3Config(
             **{**COMMON, "num_hidden_layers": 3},
             head_dim=16,
+            attention_bias=True,  # biases before the q/k norm: a knock must see them
             use_sliding_window=True,
             sliding_window=5,
             max_window_layers=2,
         ),
         "qwen3_moe": Qwen3MoeConfig(
-            **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+            **COMMON,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            attention_bias=True,
         ),
         "mixtral": MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=5),
     }
@@ -53,10 +60,22 @@ FAMILIES = sorted(tiny_configs())
 
 
 def tiny_base_model(name: str, attn_implementation: str = "eager", seed: int = 0):
-    """A random stock transformers model of family `name`, in eval mode."""
+    """A random stock transformers model of family `name`, in eval mode.
+
+    Biases are random and non-zero, and q/k norm weights are not 1: with zero biases and unit norms, a knock applied
+    before the bias add, or a fold that ignores the bias, computes the same numbers and no test would notice.
+    """
     torch.manual_seed(seed)
     config = copy.deepcopy(tiny_configs()[name])
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+    gen = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            elif param_name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+    return model
 
 
 def randomize_knocks(model, scale: float = 0.3, seed: int = 1) -> None:

@@ -20,21 +20,26 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..common.errors import KHAError
+from ..common.model_card import SourceCard, kha_card, read_source_card
 from ..common.model_code import copy_model_code
+from ..common.version import __version__
 from ..modeling.configuration_kha import (
     BASE_CONFIG_CLASSES,
     SUPPORTED_BASE_MODEL_TYPES,
     KHAConfig,
     resolve_knock_preset,
 )
+from ..modeling.modeling_kha import KNOCKS_FILE
 from .knock_tensors import initial_knock_tensors, layer_prefix, projection_key
-from .model_card import model_card
 from .output import atomic_output_dir, carry_over_files, place_file, report_placement
 from .paths import check_destination, check_free_space
 from .safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index, shard_files
 from .source import Source, dequantize_gguf, read_config, resolve_source
 
-KNOCKS_FILE = "model-kha-knocks.safetensors"
+CONVERTED = (
+    "This checkpoint is {base} upgraded to Knocking-Heads Attention by `kha convert`. The knocks start at the "
+    "identity, so before any training it computes exactly what the base model computes."
+)
 SINGLE_SHARD = "model-00001-of-00001.safetensors"
 REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,6 +89,9 @@ def convert(
     dst = check_destination(dst, [local_src] if local_src.exists() else [], overwrite)  # before any download
     source = resolve_source(src, revision=revision, token=token)
     check_destination(dst, [source.gguf_file or source.folder], overwrite)
+    card = read_source_card(
+        source.gguf_file.parent if source.gguf_file else source.folder, source.hub_repo, source.gguf_file
+    )
     with atomic_output_dir(dst, overwrite=overwrite) as out:
         if source.gguf_file is not None:
             # inside the temporary output: removed with it whatever happens
@@ -91,9 +99,9 @@ def convert(
                 dequantize_gguf(source.gguf_file, Path(dequantised))
                 dequantised_source = Source(Path(dequantised), source.name)
                 # link: the dequantised shards are ours to give away (they vanish with the temporary folder)
-                result = _convert_folder(dequantised_source, out, knock, knock_layers, True, dtype, progress)
+                result = _convert_folder(dequantised_source, out, knock, knock_layers, True, dtype, progress, card)
         else:
-            result = _convert_folder(source, out, knock, knock_layers, link, dtype, progress)
+            result = _convert_folder(source, out, knock, knock_layers, link, dtype, progress, card)
         if verify:
             from .verify import verify_conversion
 
@@ -149,6 +157,7 @@ def _convert_folder(
     link: bool,
     dtype: str | None,
     progress: bool,
+    card: SourceCard,
 ) -> ConversionResult:
     base_config = read_config(source.folder)
     check_base_config(base_config, source.folder)
@@ -188,7 +197,8 @@ def _convert_folder(
     report_placement(placed)
 
     knocks = initial_knock_tensors(config, target_dtype, prefix)
-    save_file(knocks, out / KNOCKS_FILE, metadata={"format": "pt"})
+    metadata = {"format": "pt", "kha_knock_preset": config.knock_preset or "custom", "kha_hf_version": __version__}
+    save_file(knocks, out / KNOCKS_FILE, metadata=metadata)
     weight_map = {name: renamed.get(info.file, info.file) for name, info in tensors.items()}
     weight_map.update(dict.fromkeys(knocks, KNOCKS_FILE))
     total = sum(
@@ -203,7 +213,8 @@ def _convert_folder(
     config.to_json_file(out / "config.json")
     copy_model_code(out)
     carry_over_files(source.folder, out)
-    (out / "README.md").write_text(model_card(config, source.name))
+    title = f"{card.base_model or source.name} with Knocking-Heads Attention"
+    (out / "README.md").write_text(kha_card(config, card, title, CONVERTED))
     return ConversionResult(out, source.name, config, sorted(knocks), [renamed.get(s, s) for s in shards])
 
 

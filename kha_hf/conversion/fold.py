@@ -19,11 +19,11 @@ from tqdm.auto import tqdm
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..common.errors import KHAError
+from ..common.model_card import kha_card, read_source_card
 from ..common.model_code import copy_model_code
 from ..modeling.configuration_kha import KHAConfig
 from .knock_reader import knock_keys, read_kha_config, read_knocks
 from .knock_tensors import KNOCK_KEY, knock_key, layer_prefix, projection_key
-from .model_card import CITATION
 from .output import atomic_output_dir, carry_over_files, place_file, report_placement
 from .paths import check_destination, check_free_space
 from .safetensors_index import INDEX_FILE, read_checkpoint_index, shard_files
@@ -122,28 +122,16 @@ def fold(
             base.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.base_model_type]]
             base.dtype = config.dtype
             base.to_json_file(tmp / "config.json")
-        (tmp / "README.md").write_text(_card(config, linear, partial))
+        source = read_source_card(kha_dir)
+        source.body = ""  # the KHA card describes knocks that are gone; keep its Hub metadata only
+        what = (
+            "a KHA checkpoint whose value MLP remains" if partial else f"a plain `{config.base_model_type}` checkpoint"
+        )
+        description = (
+            f"The linear knocks ({', '.join(t.upper() for t in linear)}) of a Knocking-Heads Attention model built on "
+            f"{{base}} were absorbed into the q/k/v projections by `kha fold`, giving {what}: it computes what the "
+            "KHA model computed, at no extra cost."
+        )
+        folded_config = remaining if partial else config
+        (tmp / "README.md").write_text(kha_card(folded_config, source, "KHA-Linear model, folded", description))
     return FoldResult(out, folded_knocks, partial)
-
-
-def _card(config: KHAConfig, folded: list[str], partial: bool) -> str:
-    what = "a KHA checkpoint whose value MLP remains" if partial else f"a plain `{config.base_model_type}` checkpoint"
-    return f"""---
-library_name: transformers
-tags:
-- kha
-- knocking-heads-attention
-- kha-hf
-- {config.base_model_type}
----
-
-# KHA-Linear model, folded
-
-The linear knocks ({", ".join(t.upper() for t in folded)}) of a Knocking-Heads Attention model
-([arXiv 2510.23052](https://arxiv.org/abs/2510.23052)) were absorbed into the q/k/v projections by
-`kha fold`, giving {what}: it computes what the KHA model computed, at no extra cost.
-
-```bibtex
-{CITATION}
-```
-"""

@@ -73,6 +73,15 @@ def to_json(rows: list[dict]) -> str:
     return json.dumps(rows, indent=2)
 
 
+def knock_heatmaps(kha_dir: str | Path) -> dict[tuple[str, int], torch.Tensor]:
+    """(knock label, layer) -> T − T0, the matrix the heatmaps show (T itself: row i, column j is T[i, j])."""
+    cells = {}
+    for layer, label, start, weight in knock_matrices(Path(kha_dir)):
+        t = weight.double().T  # nn.Linear stores T transposed
+        cells[(label, layer)] = t - (torch.eye(t.shape[0], dtype=t.dtype) if start == "identity" else 0)
+    return cells
+
+
 def plot_knocks(kha_dir: str | Path, path: str | Path, max_layers: int = 8) -> Path:
     """A heatmap grid, rows = knocks, columns = layers (up to `max_layers`, evenly spaced): T − T0 per cell."""
     import matplotlib
@@ -81,10 +90,7 @@ def plot_knocks(kha_dir: str | Path, path: str | Path, max_layers: int = 8) -> P
     import matplotlib.pyplot as plt
 
     kha_dir = Path(kha_dir)
-    cells: dict[tuple[str, int], torch.Tensor] = {}
-    for layer, label, start, weight in knock_matrices(kha_dir):
-        t = weight.double().T
-        cells[(label, layer)] = t - (torch.eye(t.shape[0]) if start == "identity" else 0)
+    cells = knock_heatmaps(kha_dir)
     knocks = sorted({k for k, _ in cells}, key=LABEL_ORDER.index)
     layers = sorted({layer for _, layer in cells})
     if len(layers) > max_layers:

@@ -18,8 +18,9 @@ PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt
 @dataclass(frozen=True)
 class Source:
     folder: Path  # a folder with config.json and safetensors weights
-    name: str  # what the model card calls the base model: the Hub id or the folder/file name
+    name: str  # for messages and titles: the Hub id or the folder/file name
     gguf_file: Path | None = None
+    hub_repo: str | None = None  # the Hub id when SRC was one (the model card's base_model)
 
 
 def download_from_hub(repo_id: str, revision: str | None = None, token: str | None = None) -> Path:
@@ -45,7 +46,7 @@ def resolve_source(src: str | Path, revision: str | None = None, token: str | No
         check_local_folder(path)
         return Source(folder=path, name=path.resolve().name)
     check_model_ref(src, "SRC")  # a missing local path is reported as such, not as a Hub failure
-    return Source(folder=download_from_hub(str(src), revision, token), name=str(src))
+    return Source(folder=download_from_hub(str(src), revision, token), name=str(src), hub_repo=str(src))
 
 
 def check_local_folder(folder: Path) -> None:
@@ -90,6 +91,7 @@ def dequantize_gguf(gguf_file: Path, out: Path) -> None:
         raise KHAError(f"cannot read GGUF file {gguf_file}: {err}") from err
     config_dict = loaded.config.to_dict()
     config_dict.pop("quantization_config", None)
+    config_dict.pop("_model_name_or_path", None)  # the GGUF's display name, not a path or a Hub id
     model_type = config_dict.pop("model_type")
     clean_config = AutoConfig.for_model(model_type, **config_dict)
     with torch.device("meta"):

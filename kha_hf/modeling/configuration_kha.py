@@ -51,7 +51,7 @@ KNOCK_PRESETS: dict[str, tuple[str, str, str]] = {
 DEFAULT_KNOCK = "mlp_v"
 
 # Keys of a config file that describe the file, not the architecture: never taken from a base config.
-_FILE_KEYS = {"model_type", "architectures", "auto_map", "transformers_version", "_name_or_path"}
+_FILE_KEYS = {"model_type", "architectures", "auto_map", "transformers_version", "_name_or_path", "_model_name_or_path"}
 
 # Keyword arguments that PreTrainedConfig itself consumes (runtime choices, not architecture): passed through.
 _RUNTIME_KEYS = {"attn_implementation", "experts_implementation", "output_attentions", "name_or_path", "num_labels"}
@@ -120,6 +120,9 @@ class KHAConfig(PreTrainedConfig):
     knock_k: str = "none"
     knock_v: str = "mlp"
     knock_layers: list[int] | None = None
+    # Declared here because PreTrainedConfig (5.24) keeps only declared fields: without it `use_cache` from the base
+    # config would be dropped, and models would return no KV cache.
+    use_cache: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.base_model_type not in BASE_CONFIG_CLASSES:

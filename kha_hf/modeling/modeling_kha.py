@@ -12,7 +12,9 @@ This file is copied next to saved checkpoints (remote code): it may import only 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +40,43 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_kha import KHAConfig
 from .knocks import KnockLinear, build_knock
+
+# The safetensors file in which `kha convert` stores the knock tensors of a converted checkpoint.
+KNOCKS_FILE = "model-kha-knocks.safetensors"
+# Tags of every KHA model card (save_pretrained, and push_to_hub through `model_tags`).
+KHA_TAGS = ["kha", "knocking-heads-attention", "kha-hf"]
+
+
+def _drop_stale_knocks_file(folder: Path) -> None:
+    """Saving into a converted checkpoint's folder leaves its knocks file (and, for a one-file save, its index)
+    behind: transformers removes only its own shard names. Remove what the new weights no longer use."""
+    index = folder / "model.safetensors.index.json"
+    if (folder / "model.safetensors").is_file() and index.is_file():
+        index.unlink()  # transformers writes an index only for sharded saves: this one is the old checkpoint's
+    named = index.is_file() and KNOCKS_FILE in json.loads(index.read_text()).get("weight_map", {}).values()
+    if (folder / KNOCKS_FILE).is_file() and not named:
+        (folder / KNOCKS_FILE).unlink()
+
+
+def _tag_model_card(folder: Path, base_model_type: str) -> None:
+    """Give README.md the KHA tags and Hub fields (a short card if there is none); keep what an existing card says."""
+    from transformers.utils.hub import ModelCard, ModelCardData  # huggingface_hub's, as transformers uses them
+
+    path = folder / "README.md"
+    if path.is_file():
+        card = ModelCard.load(path)
+    else:
+        data = ModelCardData(library_name="transformers", pipeline_tag="text-generation")
+        body = (
+            "\n# A Knocking-Heads Attention model\n\nA causal LM with Knocking-Heads Attention "
+            "([arXiv 2510.23052](https://arxiv.org/abs/2510.23052)); load it with "
+            "`AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)`.\n"
+        )
+        card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+    card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *KHA_TAGS, base_model_type]))
+    card.data.library_name = card.data.library_name or "transformers"
+    card.data.pipeline_tag = card.data.pipeline_tag or "text-generation"
+    card.save(path)
 
 
 def _is_kha_config(config: Any) -> bool:
@@ -127,13 +166,15 @@ class KHAPreTrainedModel(PreTrainedModel):
 
     config_class = KHAConfig
     base_model_prefix = "model"
+    model_tags = KHA_TAGS  # push_to_hub tags its card with them
     # family model_type -> concrete subclass; filled below for KHAModel and KHAForCausalLM
     _family_classes: dict[str, type] = {}
     _family: str | None = None
 
-    def __new__(cls, config: KHAConfig, *args: Any, **kwargs: Any):
-        # `KHAForCausalLM(config)` builds the subclass of the config's base family.
-        return super().__new__(cls._concrete_class(config))
+    def __new__(cls, config: KHAConfig | None = None, *args: Any, **kwargs: Any):
+        # `KHAForCausalLM(config)` builds the subclass of the config's base family. Without a config (copy.deepcopy
+        # and pickle rebuild an object of its concrete class) there is nothing to dispatch.
+        return super().__new__(cls if config is None else cls._concrete_class(config))
 
     @classmethod
     def _concrete_class(cls, config: KHAConfig) -> type:
@@ -186,6 +227,14 @@ class KHAPreTrainedModel(PreTrainedModel):
         # its decorator; KHA classes reuse the family's expert modules, so ask the family's class instead.
         family = next((c for c in cls.__mro__ if c.__module__.startswith("transformers.models.")), None)
         return family is not None and family._can_set_experts_implementation()
+
+    def save_pretrained(self, save_directory, *args: Any, is_main_process: bool = True, **kwargs: Any):
+        """As `PreTrainedModel.save_pretrained`, plus a tagged model card; saving in place leaves no stale knocks."""
+        result = super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process and not kwargs.get("push_to_hub"):
+            _drop_stale_knocks_file(Path(save_directory))
+            _tag_model_card(Path(save_directory), self.config.base_model_type)
+        return result
 
     def _init_weights(self, module: nn.Module) -> None:
         # Knocks first: the base families would give these nn.Linear subclasses a random normal init.
@@ -352,6 +401,42 @@ class KHAMixtralForCausalLM(KHAForCausalLM, MixtralForCausalLM):
 
 KHAModel._family_classes = {c._family: c for c in KHAModel.__subclasses__()}
 KHAForCausalLM._family_classes = {c._family: c for c in KHAForCausalLM.__subclasses__()}
+
+# What the families declare about themselves (identical across the six in transformers 5.24, except the decoder
+# layer names). The public classes advertise it, so code that inspects a class before building a model (the Auto
+# classes, pipelines, Trainer, transformers' own model tests) sees what KHA supports; each concrete class then gets
+# its family's own values back, since the public class comes first in its MRO.
+_FAMILY_ATTRIBUTES = (
+    "_supports_sdpa",
+    "_supports_flash_attn",
+    "_supports_flex_attn",
+    "_supports_attention_backend",
+    "_can_compile_fullgraph",
+    "_skip_keys_device_placement",
+    "supports_gradient_checkpointing",
+    "_tied_weights_keys",
+    "_tp_plan",
+    "_pp_plan",
+)
+
+
+def _advertise_family_attributes() -> None:
+    for public in (KHAModel, KHAForCausalLM):
+        concretes = list(public._family_classes.values())
+        families = [concrete.__bases__[-1] for concrete in concretes]  # e.g. LlamaForCausalLM
+        for name in _FAMILY_ATTRIBUTES:
+            values = [getattr(family, name) for family in families]
+            if all(value == values[0] for value in values):
+                setattr(public, name, values[0])
+        public._no_split_modules = sorted({layer for family in families for layer in family._no_split_modules})
+        public.forward = families[0].forward  # the signature every family shares (MoE families add router outputs)
+        for concrete, family in zip(concretes, families, strict=True):
+            for name in (*_FAMILY_ATTRIBUTES, "_no_split_modules", "forward"):
+                if name in public.__dict__:
+                    setattr(concrete, name, getattr(family, name))
+
+
+_advertise_family_attributes()
 
 
 def _register_checkpoint_conversions() -> None:

@@ -13,8 +13,31 @@ KNOCK_MODULE_NAMES = ("q_knock", "k_knock", "v_knock")
 
 
 def is_knock_parameter(name: str) -> bool:
-    """True for a parameter name inside a knock module (`...self_attn.v_knock.up.weight`)."""
-    return any(f"{module}." in name for module in KNOCK_MODULE_NAMES)
+    """True for a knock weight (`...self_attn.v_knock.up.weight`), counted once on PEFT-wrapped models too.
+
+    PEFT's `modules_to_save` keeps a frozen `original_module` next to the trained copy, and a LoRA on a knock adds
+    `lora_A`/`lora_B`: neither is a knock weight of the model.
+    """
+    return (
+        any(f"{module}." in name for module in KNOCK_MODULE_NAMES)
+        and ".original_module." not in name
+        and ".lora_" not in name
+    )
+
+
+def knock_target_modules(model: nn.Module) -> list[str]:
+    """Module names PEFT accepts in `LoraConfig(target_modules=...)` to put LoRA on the knocks themselves.
+
+    A linear knock (`q_knock`) is an `nn.Linear`; an MLP knock (`v_knock`) is not, but its three maps are
+    (`v_knock.up`, `v_knock.gate`, `v_knock.down`). Example: `LoraConfig(target_modules=knock_target_modules(model))`.
+    """
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and any(f"{knock}" in name.split(".") for knock in KNOCK_MODULE_NAMES):
+            suffix = name[name.index(next(k for k in KNOCK_MODULE_NAMES if k in name.split("."))) :]
+            if ".original_module" not in suffix and ".modules_to_save" not in suffix:
+                names.append(suffix)
+    return sorted(set(names))
 
 
 def knock_parameter_names(model: nn.Module) -> list[str]:

@@ -15,6 +15,7 @@ from transformers import TrainingArguments
 
 from ..common.errors import KHAError
 from ..common.loading import check_model_ref, load_tokenizer, read_config_dict
+from ..common.model_card import carry_training_card
 from ..modeling.configuration_kha import SUPPORTED_BASE_MODEL_TYPES
 from ..modeling.modeling_kha import KHAForCausalLM
 from .data import read_documents, train_heldout_split
@@ -155,6 +156,12 @@ def train(
         model = model.merge_and_unload()  # a full KHA model with the trained knocks and merged LoRA deltas
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
+    if Path(model_path).is_dir():
+        note = (
+            f"Trained with `kha train --mode {mode}` for {output.global_step} steps of {batch_size * grad_accum} x "
+            f"{seq_len} tokens; held-out loss {heldout:.4f}."
+        )
+        carry_training_card(Path(model_path), output_dir, note)
     change = f" (before training: {before:.4f})" if before is not None else ""
     print(f"train loss {output.training_loss:.4f}, held-out loss {heldout:.4f}{change}; saved to {output_dir}")
     return TrainResult(

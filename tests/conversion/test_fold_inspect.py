@@ -13,7 +13,7 @@ from kha_hf import KHAForCausalLM
 from kha_hf.cli import main
 from kha_hf.common.errors import KHAError
 from kha_hf.conversion.fold import fold
-from kha_hf.conversion.knock_stats import knock_statistics
+from kha_hf.conversion.knock_stats import knock_heatmaps, knock_statistics
 from tests.helpers import FAMILIES, assert_close, randomize_knocks, tiny_base_model
 
 
@@ -122,6 +122,11 @@ def test_inspect_numbers_match_a_direct_computation(tmp_path, capsys):
     gate = rows[(2, "v.gate")]
     assert gate["distance"] == pytest.approx(0.5 * d, rel=1e-6)  # ‖0.5·ones(d,d)‖_F = 0.5·d
     assert gate["mean"] == pytest.approx(0.5) and gate["max_abs"] == pytest.approx(0.5)
+
+    # the heatmaps show T itself, not its transpose (`known` is asymmetric)
+    cells = knock_heatmaps(tmp_path / "kha")
+    assert torch.allclose(cells[("q", 1)], (known - torch.eye(d)).double())
+    assert not torch.allclose(cells[("q", 1)], (known - torch.eye(d)).T.double())
 
     assert main(["inspect", str(tmp_path / "kha"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -55,3 +55,47 @@ def test_knock_layers_out_of_range():
 def test_already_kha_is_refused():
     with pytest.raises(ValueError, match="already a KHA config"):
         KHAConfig.from_base(KHAConfig.from_base(LlamaConfig(num_hidden_layers=2)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_base_field_round_trips(family):
+    base = tiny_configs()[family].to_dict()
+    kha = KHAConfig.from_base(tiny_configs()[family]).to_dict()
+    file_keys = {"model_type", "architectures", "transformers_version"}
+    missing = {k: v for k, v in base.items() if k not in file_keys and (k not in kha or kha[k] != v)}
+    assert not missing, f"fields lost or changed: {missing}"
+
+
+def test_use_cache_is_kept_and_honoured():
+    import torch
+
+    from kha_hf import KHAForCausalLM
+
+    ids = torch.tensor([[1, 2, 3]])
+    on = KHAForCausalLM(KHAConfig.from_base(tiny_configs()["llama"]))
+    assert on.config.use_cache is True and on(ids).past_key_values is not None  # a KV cache, as stock Llama returns
+    off_base = tiny_configs()["llama"]
+    off_base.use_cache = False
+    off = KHAForCausalLM(KHAConfig.from_base(off_base))
+    assert off.config.use_cache is False and off(ids).past_key_values is None
+    assert "use_cache" in off.config.to_dict() and off.config.to_dict()["use_cache"] is False
+
+
+def test_public_classes_advertise_the_families_capabilities():
+    import inspect
+
+    from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM
+
+    from kha_hf import KHAForCausalLM, KHAModel
+
+    for public in (KHAModel, KHAForCausalLM):
+        assert public._supports_sdpa and public._supports_flash_attn and public._supports_flex_attn
+        assert public._can_compile_fullgraph and public._supports_attention_backend
+        assert public.supports_gradient_checkpointing
+        assert "Qwen3DecoderLayer" in public._no_split_modules and "LlamaDecoderLayer" in public._no_split_modules
+    assert KHAForCausalLM._tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "input_ids" in inspect.signature(KHAForCausalLM.forward).parameters
+    # each concrete family class keeps its family's own forward and layer names (the MoE forward differs)
+    moe = KHAForCausalLM._family_classes["qwen3_moe"]
+    assert moe.forward is Qwen3MoeForCausalLM.forward and moe._no_split_modules == ["Qwen3MoeDecoderLayer"]
+    assert KHAForCausalLM._family_classes["llama"].forward is LlamaForCausalLM.forward

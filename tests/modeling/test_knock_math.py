@@ -51,21 +51,23 @@ def reference_attention(attn, x, cos, sin):
     return F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("preset", sorted(KNOCK_PRESETS))
-def test_attention_matches_plain_reference_with_random_knocks(family, preset):
-    model = KHAForCausalLM.from_base(tiny_base_model(family), knock=preset)
+def test_attention_matches_plain_reference_with_random_knocks(family, preset, attn):
+    model = KHAForCausalLM.from_base(tiny_base_model(family, attn), knock=preset)
     randomize_knocks(model)
-    attn = model.model.layers[1].self_attn
+    layer = model.model.layers[1].self_attn
+    assert layer.q_proj.bias is None or layer.q_proj.bias.abs().min() > 0, "test models need non-zero biases"
     length = 4  # shorter than the tiny configs' sliding windows, so the window does not cut
     x = torch.randn(2, length, model.config.hidden_size)
     position_ids = torch.arange(length).unsqueeze(0).expand(2, -1)
     cos, sin = model.model.rotary_emb(x, position_ids)
     mask = torch.full((length, length), float("-inf")).triu(1)[None, None].expand(2, 1, -1, -1)
     with torch.no_grad():
-        got, _ = attn(x, position_embeddings=(cos, sin), attention_mask=mask)
-        expected = reference_attention(attn, x, cos, sin)
-    assert_close(got, expected, atol=1e-5, what=f"{family}/{preset}")
+        got, _ = layer(x, position_embeddings=(cos, sin), attention_mask=mask)
+        expected = reference_attention(layer, x, cos, sin)
+    assert_close(got, expected, atol=1e-5, what=f"{family}/{preset}/{attn}")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

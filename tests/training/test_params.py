@@ -43,3 +43,38 @@ def test_optimizer_groups_keep_knocks_out_of_weight_decay():
     optimizer.step()
     eye = torch.eye(16)
     assert torch.equal(model.model.layers[0].self_attn.q_knock.weight.detach(), eye)
+
+
+def test_peft_wrapped_models_count_each_knock_once_and_lora_can_target_knocks():
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from kha_hf import knock_target_modules
+
+    model = KHAForCausalLM.from_base(tiny_base_model("llama"), knock="mlp_v_linear_qk")
+    n = count_knock_parameters(model)
+    assert n == 3 * 3 * 16**2 + 2 * 3 * 16**2  # per layer: v MLP (3 maps) + q and k linear, 3 layers, head_dim 16
+    saved = get_peft_model(
+        copy.deepcopy(model), LoraConfig(target_modules=["v_proj"], modules_to_save=["q_knock", "k_knock", "v_knock"])
+    )
+    assert count_knock_parameters(saved) == n  # not 2n: PEFT's frozen original_module copies are not counted
+    assert len(knock_parameter_names(saved)) == len(knock_parameter_names(model))
+    targets = knock_target_modules(model)
+    assert targets == ["k_knock", "q_knock", "v_knock.down", "v_knock.gate", "v_knock.up"]
+    on_knocks = get_peft_model(copy.deepcopy(model), LoraConfig(target_modules=targets, r=4))
+    assert count_knock_parameters(on_knocks) == n  # LoRA matrices on knocks are not knock weights
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(on_knocks(ids).logits, model(ids).logits)  # LoRA starts at zero
+
+
+def test_kha_models_deep_copy():
+    import copy
+
+    model = KHAForCausalLM.from_base(tiny_base_model("qwen3"), knock="mlp_v")
+    twin = copy.deepcopy(model)
+    assert type(twin) is type(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, model(ids).logits)

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from kha_hf import KHAForCausalLM
 from kha_hf.training.data import read_documents
@@ -64,6 +64,8 @@ def test_full_mode_lowers_the_loss(corpus, kha_dir, tmp_path):
     losses = [h["loss"] for h in result.log_history if "loss" in h]
     assert losses[-1] < losses[0], losses
     assert (tmp_path / "full" / "modeling_kha.py").exists()
+    card = (tmp_path / "full" / "README.md").read_text()  # the source's card, tagged, with a training note
+    assert "- kha" in card and "## Training" in card and "kha train --mode full" in card
 
 
 def test_knocks_mode_trains_only_knocks_and_lowers_heldout_loss(corpus, kha_dir, tmp_path):
@@ -127,21 +129,41 @@ def test_every_checkpoint_loads_as_remote_code_in_a_fresh_process(corpus, kha_di
     train(kha_dir, out, data=[str(data)], mode=mode, max_steps=4, save_steps=2, lr=1e-2, **STEPS)
     folders = sorted(out.glob("checkpoint-*")) + [out]
     assert len(folders) == 3
+    ids = [[5, 17, 42, 99, 7, 63]]
     script = textwrap.dedent(
         f"""
-        import sys
+        import json, sys
         sys.modules["kha_hf"] = None
+        import torch
         from transformers import AutoModelForCausalLM
+        logits = {{}}
         for folder in {[str(f) for f in folders]!r}:
-            model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-            assert type(model).__module__.startswith("transformers_modules"), folder
-        print("ALL_LOADED")
+            model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+            assert type(model).__module__.startswith("transformers_modules") or hasattr(model, "peft_config"), folder
+            with torch.no_grad():
+                logits[folder] = model(torch.tensor({ids!r})).logits.tolist()
+        print("LOGITS " + json.dumps(logits))
         """
     )
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_MODULES_CACHE", None)
     proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0 and "ALL_LOADED" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "LOGITS " in proc.stdout, proc.stderr[-3000:]
+    remote = json.loads(proc.stdout.split("LOGITS ", 1)[1])
+    untrained = KHAForCausalLM.from_pretrained(kha_dir).eval()
+    with torch.no_grad():
+        start = untrained(torch.tensor(ids)).logits
+    seen = []
+    for folder in folders:
+        # the same checkpoint loaded here with the installed kha_hf classes gives the same logits
+        local = AutoModelForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            expected = local(torch.tensor(ids)).logits
+        got = torch.tensor(remote[str(folder)])
+        assert torch.allclose(got, expected, atol=1e-5), f"{folder.name}: remote-code load differs"
+        assert (got - start).abs().max() > 1e-4, f"{folder.name} holds the untrained model (knocks not saved?)"
+        seen.append(got)
+    assert (seen[0] - seen[1]).abs().max() > 1e-6, "checkpoint-2 and checkpoint-4 are the same model"
 
 
 def test_runs_under_accelerate_launch_with_one_cpu_process(corpus, kha_dir, tmp_path):
