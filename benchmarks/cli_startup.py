@@ -20,7 +20,7 @@ import sys
 import time
 
 KHA = [sys.executable, "-m", "kha_hf"]
-COMMANDS = ["convert", "verify", "train", "ab", "eval", "inspect", "fold", "push", "demo", "assets"]
+COMMANDS = ["convert", "verify", "train", "ab", "eval", "inspect", "fold", "push", "serve", "demo", "assets"]
 
 
 def measure(cmd: list[str]) -> float:

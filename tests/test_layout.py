@@ -18,6 +18,7 @@ ALLOWED = {
     "conversion": {"conversion", "common", "modeling"},
     "eval": {"eval", "common", "modeling"},
     "training": {"training", "common", "modeling"},
+    "serving": {"serving", "common", "modeling"},
 }
 
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from ..common.errors import KHAError
-from . import ab, assets, convert, demo, fold, inspect, push, train, verify
+from . import ab, assets, convert, demo, fold, inspect, push, serve, train, verify
 from . import eval as eval_  # `eval_`: the module of `kha eval`, not the builtin
 from ._common import HelpFormatter, OneLineErrorParser
 
@@ -22,12 +22,13 @@ EPILOG = """typical workflow:
   kha inspect ./qwen3-kha-trained --plot knocks.png                 # what the knocks learned
   kha fold ./llama-kha-linear ./llama-folded                        # KHA-Linear -> plain checkpoint
   kha push ./qwen3-kha-trained me/qwen3-kha                         # share on the Hub
+  kha serve ./qwen3-kha-trained --port 8000                         # OpenAI-compatible server (transformers)
   kha demo                                                          # all of it, offline, on SmolLM2-135M
   kha assets                                                        # where the offline model and data live
 """
 
 # in the order of `kha --help`
-COMMANDS = [convert, verify, train, ab, eval_, inspect, fold, push, demo, assets]
+COMMANDS = [convert, verify, train, ab, eval_, inspect, fold, push, serve, demo, assets]
 SUBCOMMANDS = [command.add_parser for command in COMMANDS]
 
 

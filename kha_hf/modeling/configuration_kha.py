@@ -85,6 +85,16 @@ def _public_class_name(name: str) -> str:
     return name
 
 
+def _knock_tp_plan(config) -> dict[str, str]:
+    """Tensor-parallel style of every knock matrix: replicated, gradients all-reduced."""
+    parts = {"linear": [""], "mlp": [".up", ".gate", ".down"], "none": []}
+    return {
+        f"layers.*.self_attn.{target}_knock{part}": "replicated_with_grad_allreduce"
+        for target in ("q", "k", "v")
+        for part in parts[getattr(config, f"knock_{target}")]
+    }
+
+
 def resolve_knock_preset(knock: str) -> tuple[str, str, str]:
     """Preset name -> (knock_q, knock_k, knock_v), with an error that lists the presets."""
     if knock not in KNOCK_PRESETS:
@@ -142,6 +152,12 @@ class KHAConfig(PreTrainedConfig):
         super().__post_init__(**{**base_values, **passthrough})
         self._validate_knocks()
         self.auto_map = dict(AUTO_MAP)
+        # Tensor/pipeline parallelism: the family's plans. Knocks are replicated: under a colwise q/k/v split every
+        # rank holds whole heads, and a knock acts on each head's features alone. A rank's knock gradient covers
+        # only its heads, so it is summed across ranks (as Qwen3's q/k norms are).
+        family = BASE_CONFIG_CLASSES[self.base_model_type]
+        self.base_model_tp_plan = {**(family.base_model_tp_plan or {}), **_knock_tp_plan(self)}
+        self.base_model_pp_plan = dict(family.base_model_pp_plan or {})
 
     def _validate_knocks(self) -> None:
         for target, allowed in KNOCK_TYPES.items():

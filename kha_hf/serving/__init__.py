@@ -1,0 +1,1 @@
+"""Serving KHA checkpoints through transformers' own OpenAI-compatible server (`transformers serve`)."""

@@ -1,0 +1,130 @@
+"""`kha serve`: transformers' OpenAI-compatible server with a KHA checkpoint, checked with the `openai` client
+against `model.generate` (greedy), with and without continuous batching, plain and streamed."""
+
+import socket
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from kha_hf import KHAForCausalLM
+from kha_hf.cli import main
+from tests.helpers import randomize_knocks, save_tiny_tokenizer, tiny_configs
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PROMPT = "the quick brown"
+MESSAGES = [{"role": "user", "content": "the lazy dog"}]
+NEW_TOKENS = 6
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def kha_dir(tmp_path_factory):
+    """A tiny Qwen3 KHA model with trained-looking (random) knocks and a tokenizer with a chat template."""
+    folder = tmp_path_factory.mktemp("serve") / "kha"
+    config = tiny_configs()["qwen3"]
+    config.vocab_size = 300
+    torch.manual_seed(0)
+    kha = KHAForCausalLM.from_base(AutoModelForCausalLM.from_config(config), knock="mlp_v_linear_qk")
+    randomize_knocks(kha)
+    kha.save_pretrained(folder)
+    save_tiny_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def greedy(folder, ids) -> str:
+    model = KHAForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("continuous_batching", [False, True])
+def test_openai_client_gets_what_generate_gives(kha_dir, continuous_batching):
+    from kha_hf.serving.server import start_server
+
+    tokenizer = AutoTokenizer.from_pretrained(kha_dir)
+    expected_text = greedy(kha_dir, tokenizer(PROMPT, return_tensors="pt").input_ids)
+    chat_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt")
+    chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids
+    expected_chat = greedy(kha_dir, chat_ids)
+
+    port = free_port()
+    server = start_server(
+        str(kha_dir), port=port, device="cpu", dtype="float32", continuous_batching=continuous_batching
+    )
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+        assert str(kha_dir) in [m.id for m in client.models.list().data]
+        common = dict(model=str(kha_dir), max_tokens=NEW_TOKENS, temperature=0)
+        text = client.completions.create(prompt=PROMPT, **common).choices[0].text
+        assert text == expected_text
+        chat = client.chat.completions.create(messages=MESSAGES, **common).choices[0].message.content
+        assert chat == expected_chat
+        streamed = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(messages=MESSAGES, stream=True, **common)
+            if chunk.choices
+        )
+        assert streamed == expected_chat
+    finally:
+        server.kill_server()
+
+
+def test_generate_batch_with_paged_attention_gives_generate_tokens(kha_dir):
+    model = KHAForCausalLM.from_pretrained(kha_dir, attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(kha_dir)
+    prompts = [tokenizer(p).input_ids for p in (PROMPT, "over the lazy dog", "to be")]
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    batch = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    for request, ids in zip(sorted(batch), prompts, strict=True):
+        single = model.generate(torch.tensor([ids]), generation_config=config)[0, len(ids) :].tolist()
+        assert batch[request].generated_tokens == single
+
+
+def test_port_in_use_is_a_one_line_error(kha_dir, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(kha_dir), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kha serve: error: cannot listen on 127.0.0.1:") and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_smollm2_kha_served_equals_generate(tmp_path):
+    from kha_hf.common.assets import smollm2_gguf
+    from kha_hf.conversion import convert
+    from kha_hf.serving.server import start_server
+
+    folder = convert(smollm2_gguf(), tmp_path / "smollm2-kha", progress=False).output
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids
+    expected = greedy(folder, chat_ids)
+    port = free_port()
+    server = start_server(str(folder), port=port, device="cpu", dtype="float32")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300, max_retries=0)
+        reply = client.chat.completions.create(
+            model=str(folder), messages=messages, max_tokens=NEW_TOKENS, temperature=0
+        )
+        assert reply.choices[0].message.content == expected
+    finally:
+        server.kill_server()
