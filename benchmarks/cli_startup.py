@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-KHA = [sys.executable, "-m", "kha_hf"]
+KHA = [sys.executable, "-m", "kha_hf_entry"]  # what the `kha` console script runs
 COMMANDS = ["convert", "verify", "train", "ab", "eval", "inspect", "fold", "push", "serve", "demo", "assets"]
 
 

@@ -4,37 +4,51 @@ Importing the package registers `KHAConfig` / `KHAModel` / `KHAForCausalLM` with
 checkpoints load with `AutoModelForCausalLM.from_pretrained(path)` even without `trust_remote_code`.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+import sys
 
 from .common.errors import KHAError
 from .common.version import __version__
-from .modeling import (
-    DEFAULT_KNOCK,
-    KNOCK_PRESETS,
-    SUPPORTED_BASE_MODEL_TYPES,
-    KHAConfig,
-    KHAForCausalLM,
-    KHAModel,
-    KHAPreTrainedModel,
-)
-from .training.params import (
-    count_knock_parameters,
-    is_knock_parameter,
-    knock_parameter_names,
-    knock_target_modules,
-    optimizer_param_groups,
-)
+from .modeling import DEFAULT_KNOCK, KNOCK_PRESETS, SUPPORTED_BASE_MODEL_TYPES, KHAConfig
 
-AutoConfig.register(KHAConfig.model_type, KHAConfig, exist_ok=True)
-AutoModel.register(KHAConfig, KHAModel, exist_ok=True)
-AutoModelForCausalLM.register(KHAConfig, KHAForCausalLM, exist_ok=True)
-# save_pretrained copies configuration_kha.py / modeling_kha.py / knocks.py next to the weights (remote code).
-KHAConfig.register_for_auto_class("AutoConfig")
-KHAModel.register_for_auto_class("AutoModel")
-KHAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+_registered = False
 
-# The tools' Python API, imported on first use (they pull in the Trainer, lm-eval, ...): `from kha_hf import convert`.
+
+def register_auto_classes() -> None:
+    """Register KHAConfig / KHAModel / KHAForCausalLM with transformers' Auto classes (idempotent; `import kha_hf`
+    does it, except under the `kha` command, which parses its arguments first and registers before running)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AutoConfig
+
+    from .modeling.modeling_kha import KHAForCausalLM, KHAModel
+    from .modeling.modeling_kha import register_auto_classes as register_model_classes
+
+    AutoConfig.register(KHAConfig.model_type, KHAConfig, exist_ok=True)
+    register_model_classes(KHAConfig)  # AutoModel / AutoModelForCausalLM -> KHAModel / KHAForCausalLM
+    # save_pretrained copies configuration_kha.py / modeling_kha.py / knocks.py next to the weights (remote code).
+    KHAConfig.register_for_auto_class("AutoConfig")
+    KHAModel.register_for_auto_class("AutoModel")
+    KHAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    _registered = True
+
+
+# `kha_hf_entry` (the `kha` console script) defers this until its arguments are parsed: `kha --help` and argument
+# errors answer without importing transformers' modeling stack.
+if not getattr(sys.modules.get("kha_hf_entry"), "DEFER_REGISTRATION", False):
+    register_auto_classes()
+
+# Imported on first use: the model classes, the knock parameter helpers, and the tools' Python API (which pull in
+# the Trainer, lm-eval, ...): `from kha_hf import KHAForCausalLM, convert`.
 _LAZY = {
+    "KHAForCausalLM": ".modeling.modeling_kha",
+    "KHAModel": ".modeling.modeling_kha",
+    "KHAPreTrainedModel": ".modeling.modeling_kha",
+    "count_knock_parameters": ".training.params",
+    "is_knock_parameter": ".training.params",
+    "knock_parameter_names": ".training.params",
+    "knock_target_modules": ".training.params",
+    "optimizer_param_groups": ".training.params",
     "KHATrainer": ".training.trainer",
     "convert": ".conversion.converter",
     "fold": ".conversion.fold",
@@ -47,6 +61,7 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
+        register_auto_classes()
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

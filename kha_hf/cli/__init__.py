@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from .. import register_auto_classes
+
+    register_auto_classes()  # deferred by the `kha` entry point until the arguments are known to be good
     try:
         return args.func(args)
     except KHAError as err:

@@ -5,8 +5,19 @@ This `__init__.py` does not travel (transformers never copies it) but follows th
 """
 
 from .configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS, SUPPORTED_BASE_MODEL_TYPES, KHAConfig
-from .knocks import KnockLinear, LinearKnock, MLPKnock
-from .modeling_kha import KHAForCausalLM, KHAModel, KHAPreTrainedModel
+
+
+def __getattr__(name: str):
+    # The model classes import transformers' modeling stack (about a second): only when asked for, so that the
+    # `kha` command can show its help and check its arguments first.
+    if name in ("KHAForCausalLM", "KHAModel", "KHAPreTrainedModel"):
+        from . import modeling_kha as module
+    elif name in ("KnockLinear", "LinearKnock", "MLPKnock"):
+        from . import knocks as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(module, name)
+
 
 __all__ = [
     "DEFAULT_KNOCK",

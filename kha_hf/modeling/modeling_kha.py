@@ -214,6 +214,8 @@ class KHAPreTrainedModel(PreTrainedModel):
                 "disk offload needs the knocks in the checkpoint files, and this is a base checkpoint: "
                 "convert it first (`kha convert SRC DST`, streaming, no extra memory), then load DST"
             )
+        if cls.__module__ != "kha_hf.modeling.modeling_kha":  # loaded as remote code, without kha_hf
+            register_auto_classes(cls.config_class)  # transformers registered the public class alone just before
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
 
     @classmethod
@@ -451,3 +453,13 @@ def _register_checkpoint_conversions() -> None:
 
 
 _register_checkpoint_conversions()
+
+
+def register_auto_classes(config_class: type) -> None:
+    """Register KHA with transformers' Auto classes under CONFIG_CLASS: the public classes first (what
+    `AutoModelForCausalLM` builds), then each family's concrete class, so that pipelines, which look an instance's
+    class name up in the Auto mapping, recognise `KHAQwen3ForCausalLM` and its siblings as text-generation models."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for auto, public in ((AutoModel, KHAModel), (AutoModelForCausalLM, KHAForCausalLM)):
+        auto.register(config_class, (public, *public._family_classes.values()), exist_ok=True)

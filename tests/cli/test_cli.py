@@ -78,17 +78,33 @@ def test_assets_prints_real_paths(capsys):
 
 
 def test_help_and_argument_errors_import_no_heavy_libraries():
-    # Checked by sys.modules in a fresh process, not by timing: help must not pay for lm-eval, PEFT or datasets.
+    # Checked by sys.modules in a fresh process, not by timing: through the `kha` entry point, help and argument
+    # errors must not pay for lm-eval, PEFT, datasets or transformers' modeling stack.
+    heavy = ("lm_eval", "peft", "datasets", "kha_hf.modeling.modeling_kha", "transformers.modeling_utils")
     script = (
         "import sys\n"
+        "import kha_hf_entry\n"
         "from kha_hf.cli import main\n"
         f"for argv in [['--help']] + [[n, '--help'] for n in {NAMES!r}] + [['train', 'x', '--max-steps', '0']]:\n"
         "    try:\n"
         "        main(argv)\n"
         "    except SystemExit:\n"
         "        pass\n"
-        "print(sorted(m for m in ('lm_eval', 'peft', 'datasets') if m in sys.modules))\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
+def test_import_kha_hf_still_registers_the_auto_classes():
+    script = (
+        "import kha_hf\n"
+        "from transformers import AutoConfig\n"
+        "from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING\n"
+        "assert AutoConfig.for_model('kha', base_model_type='llama').model_type == 'kha'\n"
+        "assert kha_hf.KHAForCausalLM in MODEL_FOR_CAUSAL_LM_MAPPING[kha_hf.KHAConfig]\n"
+        "print('REGISTERED')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "REGISTERED" in out.stdout, out.stderr[-2000:]

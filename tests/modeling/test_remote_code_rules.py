@@ -23,13 +23,17 @@ ALLOWED_TOP_LEVEL = {"torch", "transformers", "__future__"} | set(sys.stdlib_mod
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
-    """(relative level, module name) of every import statement in the file, including those inside functions."""
+    """(relative level, module name) of every import statement in the file, including those inside functions;
+    `from . import x` counts as importing the sibling `x`."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found += [(0, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            found.append((node.level, node.module or ""))
+            if node.level and not node.module:
+                found += [(node.level, alias.name) for alias in node.names]
+            else:
+                found.append((node.level, node.module or ""))
     return found
 
 
