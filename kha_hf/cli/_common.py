@@ -24,26 +24,32 @@ def parse_layers(text: str) -> list[int]:
     return layers
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer > 0."""
+def _number(text: str, cast: type, minimum: float, inclusive: bool, what: str):
+    """argparse type body: TEXT cast to a finite number >= (or >) MINIMUM, else a one-line argparse error."""
     try:
-        value = int(text)
+        value = cast(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    low_ok = value >= minimum if inclusive else value > minimum
+    if not low_ok or value == float("inf"):  # `not >=` also catches nan
+        bound = f">= {minimum}" if inclusive else f"> {minimum}"
+        raise argparse.ArgumentTypeError(f"must be {what} {bound}, got {text}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0 (steps, sizes)."""
+    return _number(text, int, 0, False, "an integer")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (few-shot examples)."""
+    return _number(text, int, 0, True, "an integer")
 
 
 def non_negative_float(text: str) -> float:
     """argparse type: a finite number >= 0 (learning rates)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+    return _number(text, float, 0, True, "a number")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -51,17 +57,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -55,3 +55,39 @@ def test_continued_ab_runs_four_arms_with_matched_control(tmp_path, capsys):
     rows = list(csv.DictReader(open(tmp_path / "out" / "loss_curves.csv")))
     assert set(rows[0]) == {"seed", "step", "base-full_loss", "kha-full_loss", "kha-knocks_loss", "lora-matched_loss"}
     assert (tmp_path / "out" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_continued_ab_eval_adds_paired_downstream_statistics(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from kha_hf.workflows.continued_ab import continued_ab
+
+    base = tmp_path / "base"
+    config = tiny_configs()["llama"]
+    config.vocab_size = 300
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    save_tiny_tokenizer(base)
+    (tmp_path / "data.md").write_text(read_documents(None)[0][:20000])
+    summary = continued_ab(
+        str(base),
+        output=tmp_path / "out",
+        max_steps=2,
+        seq_len=32,
+        batch_size=2,
+        seeds=1,
+        data=[str(tmp_path / "data.md")],
+        run_eval=True,
+        limit=2,
+    )
+    pairs = {(e["arm"], e["control"]): e["rows"] for e in summary["eval"]}
+    assert set(pairs) == {("kha-full", "base-full"), ("kha-knocks", "lora-matched")}
+    for rows in pairs.values():
+        assert {r["task"] for r in rows} == {"arc_easy", "piqa", "copa", "winogrande"}
+        assert all(r["paired"]["n"] == 2 and "p_value" in r["paired"] for r in rows)
+    assert "kha-knocks vs lora-matched" in (tmp_path / "out" / "eval.md").read_text()
+
+
+def test_from_takes_a_preset_for_its_size_but_not_a_config(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["ab", str(tmp_path / "config.json"), "--from", str(tmp_path)]) == 2
+    assert "with --from, the positional argument is a preset" in capsys.readouterr().err
