@@ -13,6 +13,7 @@ This file is copied next to saved checkpoints (remote code): it may import only 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,17 @@ def _drop_stale_knocks_file(folder: Path) -> None:
     named = index.is_file() and KNOCKS_FILE in json.loads(index.read_text()).get("weight_map", {}).values()
     if (folder / KNOCKS_FILE).is_file() and not named:
         (folder / KNOCKS_FILE).unlink()
+
+
+def _apply_umask(folder: Path) -> None:
+    """safetensors writes weight files owner-only (0600); give them the mode a plain copy would have. Files with
+    several links (shared with another checkpoint) are left alone."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.glob("*.safetensors"):
+        info = path.lstat()
+        if path.is_file() and not path.is_symlink() and info.st_nlink == 1 and info.st_mode & 0o777 == 0o600:
+            path.chmod(0o666 & ~umask)
 
 
 def _tag_model_card(folder: Path, base_model_type: str) -> None:
@@ -236,6 +248,7 @@ class KHAPreTrainedModel(PreTrainedModel):
         if is_main_process and not kwargs.get("push_to_hub"):
             _drop_stale_knocks_file(Path(save_directory))
             _tag_model_card(Path(save_directory), self.config.base_model_type)
+            _apply_umask(Path(save_directory))
         return result
 
     def _init_weights(self, module: nn.Module) -> None:

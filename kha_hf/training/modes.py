@@ -26,7 +26,7 @@ def prepare_for_mode(model: nn.Module, mode: str, lora_r: int = 16, lora_alpha: 
     if mode == "full":
         model.requires_grad_(True)
         return model
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     linear_names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m) is nn.Linear}
     knock_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} & set(KNOCK_MODULE_NAMES)
@@ -39,7 +39,7 @@ def prepare_for_mode(model: nn.Module, mode: str, lora_r: int = 16, lora_alpha: 
         modules_to_save=sorted(knock_names),
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    return wrap_with_peft(model, config)
 
 
 def lora_targets(knock: str) -> list[str]:
@@ -65,7 +65,19 @@ def matched_lora_rank(model: nn.Module, targets: list[str], knock_parameters: in
 
 def with_lora(model: nn.Module, targets: list[str], rank: int) -> nn.Module:
     """MODEL wrapped by PEFT with a LoRA of RANK on TARGETS (everything else frozen): the matched control."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    return wrap_with_peft(model, config)
+
+
+def wrap_with_peft(model: nn.Module, config) -> nn.Module:
+    """`peft.get_peft_model`, without the FutureWarning it triggers by reading the deprecated
+    `is_gradient_checkpointing` property (peft 0.21.2 with transformers 5.24); every other warning still shows."""
+    import warnings
+
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)

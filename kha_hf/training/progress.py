@@ -17,7 +17,8 @@ def format_log(logs: dict, step: int, max_steps: int) -> str:
             parts.append(f"knock distance {logs['knock_distance']:.4f}")
         return "  ".join(parts)
     if "eval_loss" in logs:
-        return f"step {step}/{max_steps}  held-out loss {logs['eval_loss']:.4f}"
+        when = "before training" if max_steps == 0 else f"step {step}/{max_steps}"
+        return f"{when}  held-out loss {logs['eval_loss']:.4f}"
     if "train_runtime" in logs:
         mean_loss = logs.get("train_loss", float("nan"))
         return f"trained {step} steps in {logs['train_runtime']:.0f} s, mean loss {mean_loss:.4f}"

@@ -70,7 +70,7 @@ def continued_ab(
     from ..conversion.source import dequantize_gguf, resolve_source
     from ..modeling.modeling_kha import KHAForCausalLM
     from ..training.data import read_documents, train_heldout_split
-    from ..training.modes import prepare_for_mode
+    from ..training.modes import prepare_for_mode, with_lora
     from ..training.train import check_training_numbers
 
     check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, seeds=seeds)
@@ -105,12 +105,7 @@ def continued_ab(
         built = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
         if arm == "base-full":
             return built.requires_grad_(True)
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(
-            r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
-        )
-        return get_peft_model(built, config)
+        return with_lora(built, targets, rank)
 
     # 2. the matched control: LoRA rank from the knocks' parameter count
     probe = KHAForCausalLM.from_pretrained(kha_dir, dtype=torch.float32)

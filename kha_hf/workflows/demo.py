@@ -23,8 +23,8 @@ def run_demo(
     model: str | None = None,
     output: str | Path = "kha-demo",
     knock: str = "mlp_v",
-    train_steps: int = 60,
-    limit: int = 100,
+    train_steps: int = 40,
+    limit: int = 60,
     overwrite: bool = False,
     trust_remote_code: bool = False,
 ) -> dict:

@@ -43,3 +43,14 @@ def test_disk_offload_of_a_converted_checkpoint_is_exact(tmp_path):
     assert any(p.device.type == "meta" for p in model.parameters()), "nothing was offloaded: the test tests nothing"
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, base(IDS).logits)
+
+
+def test_saved_weights_get_normal_file_permissions(tmp_path):
+    import os
+
+    model = KHAForCausalLM.from_base(tiny_base_model("llama"))
+    model.save_pretrained(tmp_path / "kha")
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = (tmp_path / "kha" / "model.safetensors").stat().st_mode & 0o777
+    assert mode == 0o666 & ~umask, oct(mode)  # safetensors alone writes 0600
