@@ -16,8 +16,8 @@ def add_parser(sub) -> None:
         "  kha fold ./qwen3-kha-mlp-qk ./qwen3-kha-mlp --partial",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("kha_dir", metavar="KHA_DIR")
-    p.add_argument("out", metavar="OUT")
+    p.add_argument("kha_dir", metavar="KHA_DIR", help="a KHA checkpoint with linear knocks")
+    p.add_argument("out", metavar="OUT", help="output folder (written atomically)")
     p.add_argument("--partial", action="store_true", help="fold linear Q/K knocks, keep the value MLP")
     p.add_argument("--link", action="store_true", help="hard-link shards that need no change")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")

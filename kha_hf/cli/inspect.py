@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
         "\n  kha inspect ./smollm2-kha-trained --json > knocks.json",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("kha_dir", metavar="KHA_DIR")
+    p.add_argument("kha_dir", metavar="KHA_DIR", help="a KHA checkpoint folder (only its knock tensors are read)")
     p.add_argument("--plot", metavar="PATH.png", help="write a heatmap grid (knocks x layers)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=run)

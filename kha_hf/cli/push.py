@@ -14,9 +14,9 @@ def add_parser(sub) -> None:
         epilog="example:\n  kha push ./smollm2-kha-trained me/smollm2-kha --private",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("folder", metavar="FOLDER")
-    p.add_argument("repo_id", metavar="REPO_ID")
-    p.add_argument("--private", action="store_true")
+    p.add_argument("folder", metavar="FOLDER", help="checkpoint folder to upload (must hold config.json)")
+    p.add_argument("repo_id", metavar="REPO_ID", help="Hub model repo, owner/name (created if missing)")
+    p.add_argument("--private", action="store_true", help="create the repo as private")
     p.set_defaults(func=run)
 
 

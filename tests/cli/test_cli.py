@@ -108,3 +108,21 @@ def test_import_kha_hf_still_registers_the_auto_classes():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert "REGISTERED" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_option_has_help_and_shows_its_default(name, capsys):
+    import argparse
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    for action in sub._actions:
+        if not isinstance(action, argparse._HelpAction):
+            assert action.help, f"kha {name}: {action.option_strings or action.dest} has no help"
+    with pytest.raises(SystemExit):
+        main([name, "--help"])
+    out = capsys.readouterr().out
+    for action in sub._actions:
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            shown = "".join(out.split())  # argparse wraps long lines, also inside words with hyphens
+            assert f"default:{action.default}".replace(" ", "") in shown, f"kha {name} {action.option_strings}"
