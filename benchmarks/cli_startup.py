@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 KHA = [sys.executable, "-m", "kha_hf_entry"]  # what the `kha` console script runs
 COMMANDS = ["convert", "verify", "train", "ab", "eval", "inspect", "fold", "push", "serve", "demo", "assets"]
@@ -46,7 +47,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
-    transformers_cli = shutil.which("transformers")
+    beside = Path(sys.executable).parent / "transformers"  # the same environment's console script
+    transformers_cli = str(beside) if beside.exists() else shutil.which("transformers")
     reference = [transformers_cli, "--help"] if transformers_cli else [sys.executable, "-m", "transformers", "--help"]
 
     times: dict[str, list[float]] = {"transformers --help": [], "kha --help": []}
