@@ -134,6 +134,7 @@ def kha_card(config, source: SourceCard, title: str, description: str) -> str:
 | setting | value |
 |---|---|
 | base family | `{config.base_model_type}` |
+| knock preset | `{getattr(config, "knock_preset", None) or "custom"}` |
 | knocks | {knocks} |
 | knocked layers | {layers} |
 
