@@ -22,7 +22,9 @@ else
     base="$(command -v python3 || command -v python)"
     "$base" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "kha-hf needs Python 3.10+" >&2; exit 2; }
     echo "creating the project virtual environment .venv (with $("$base" --version))"
-    "$base" -m venv .venv
+    "$base" -m venv .venv || {
+      echo "could not create .venv: install Python's venv module (Debian/Ubuntu: apt install python3-venv)" >&2
+      rm -rf .venv; exit 2; }
   fi
   py=.venv/bin/python
 fi
