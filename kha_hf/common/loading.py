@@ -104,7 +104,8 @@ def remote_code_kwargs(ref: str | Path, trust_remote_code: bool = False, echo=pr
     """
     folder = Path(ref).expanduser()
     config = read_config_dict(folder) if folder.is_dir() else None
-    # (importing any kha_hf module ran kha_hf/__init__, which registered the KHA classes with the Auto classes)
+    # The KHA classes are registered with the Auto classes by `import kha_hf`, or, under the `kha` command, right
+    # after its arguments are parsed: before any command loads a model.
     if config and config.get("model_type") == "kha" and not trust_remote_code:
         if not kha_code_matches_installed(folder):
             echo(

@@ -111,13 +111,12 @@ def train(
         model_path = Path(model_path).resolve()
         check_trainable_config(model_path)
     documents = read_documents(data)  # bad data fails before anything is loaded
-    tok = load_tokenizer(model_path, tokenizer)
-    train_set, heldout_set = train_heldout_split(documents, tok, seq_len, max_heldout_blocks=max_eval_blocks)
+    tokenizer = load_tokenizer(model_path, tokenizer)  # the argument names it; from here on it is the object
+    train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_heldout_blocks=max_eval_blocks)
     try:
         model = KHAForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if bf16 else torch.float32)
     except (OSError, ValueError) as err:
         raise KHAError(f"cannot load a KHA model from {model_path}: {err}") from err
-    tokenizer = tok
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
 
     model = prepare_for_mode(model, mode, lora_r=lora_r)
