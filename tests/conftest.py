@@ -10,6 +10,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def pytest_configure(config):
+    # Marks used by transformers' own test_modeling_common.py (tests/modeling/upstream_common.py loads it).
+    for mark in ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test", "torch_compile_test"):
+        config.addinivalue_line("markers", f"{mark}: a mark of transformers' own tests")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_hf_home(tmp_path_factory, monkeypatch):
     # Remote code is cached by hash under HF_HOME/modules: keep each test session's cache private.

@@ -1,7 +1,7 @@
 """The package layout that README's "Layout" section describes: which part may import which.
 
-modeling/ imports no other part (it travels with checkpoints); common/ imports only modeling/; conversion/, eval/
-and training/ import modeling/, common/ and themselves, never each other; cli/ and demo.py sit on top.
+modeling/ imports no other part (it travels with checkpoints); common/ imports only modeling/; conversion/, eval/,
+training/ and serving/ import modeling/, common/ and themselves, never each other; workflows/ and cli/ sit on top.
 """
 
 import ast

@@ -1,0 +1,136 @@
+"""transformers' own `ModelTesterMixin` run on KHA-Llama and KHA-Qwen3 with perturbed (non-identity) knocks.
+
+The mixin comes from the sdist of the installed transformers (see `upstream_common.py`). It is what every model in
+transformers must pass: save/load round trips, missing-key initialisation, SDPA vs eager, the KV cache, training
+and gradient checkpointing, resizing embeddings, device placement. Tests that cannot apply here are skipped by name
+below, each with its reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import unittest
+from unittest import mock
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig, Qwen3MoeModel
+from transformers import initialization as init
+from transformers.models.auto import modeling_auto
+
+from kha_hf import KHAConfig, KHAForCausalLM, KHAModel
+from kha_hf.modeling.knocks import KnockLinear
+from kha_hf.modeling.modeling_kha import KHAPreTrainedModel
+from tests.modeling.upstream_common import load_modeling_common
+
+common = load_modeling_common()
+
+_identity_init = KHAPreTrainedModel._init_weights
+
+
+def _perturbed_init(self: KHAPreTrainedModel, module: torch.nn.Module) -> None:
+    """Identity (or zero-gate) knocks plus noise, so a knock that is skipped, transposed or misplaced changes outputs.
+
+    Uses transformers' own init functions, which leave weights loaded from a checkpoint alone.
+    """
+    _identity_init(self, module)
+    if isinstance(module, KnockLinear):
+        init.copy_(module.weight, module.weight + 0.2 * torch.randn_like(module.weight))
+
+
+class KHAModelTester:
+    """Tiny random configs and inputs, as transformers' `CausalLMModelTester` makes them (batch 13, 7 tokens)."""
+
+    def __init__(self, parent: unittest.TestCase, base_config: type, **family_fields) -> None:
+        self.parent = parent
+        self.batch_size, self.seq_length, self.vocab_size = 13, 7, 99
+        self.hidden_size, self.num_hidden_layers, self.num_attention_heads = 32, 2, 4
+        self.is_training = True
+        self.base_config, self.family_fields = base_config, family_fields
+
+    def get_config(self) -> KHAConfig:
+        base = self.base_config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=37,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            **self.family_fields,
+        )
+        return KHAConfig.from_base(base, knock="mlp_v_linear_qk")  # all three knocks, both kinds
+
+    def prepare_config_and_inputs_for_common(self) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
+        input_ids = common.ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
+        attention_mask = torch.tril(torch.ones_like(input_ids))  # left-aligned, some rows padded
+        return self.get_config(), {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class _KHACommonTests(common.ModelTesterMixin):
+    all_model_classes = (KHAModel, KHAForCausalLM)
+    base_config: type = LlamaConfig
+    family_fields: dict = {}
+    # The mixin runs this test only for models whose config file carries a copyright year >= 2023; ours has none.
+    # It is the one that finds weights `_init_weights` leaves uninitialised (knocks included): opt in.
+    test_can_init_all_missing_weights_before_2023 = True
+
+    def setUp(self) -> None:
+        self.model_tester = KHAModelTester(self, self.base_config, **self.family_fields)
+        # The mixin finds base models and LM heads by name in transformers' static tables (labels, training, RoPE
+        # and shift_labels tests), which list only transformers' own models; registration puts KHA in the Auto
+        # mappings' runtime part instead. List it in the tables for the duration of each test.
+        body, lm = self.all_model_classes
+        patchers = [
+            mock.patch.object(KHAPreTrainedModel, "_init_weights", _perturbed_init),
+            mock.patch.dict(modeling_auto.MODEL_MAPPING_NAMES, {KHAConfig.model_type: body.__name__}),
+            mock.patch.dict(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, {KHAConfig.model_type: lm.__name__}),
+        ]
+        for patcher in patchers:
+            patcher.start()
+            self.addCleanup(patcher.stop)
+
+    @pytest.mark.filterwarnings("always::FutureWarning")  # it counts a deprecation warning pyproject.toml hides
+    def test_bc_cache_name_forward(self):
+        super().test_bc_cache_name_forward()
+
+    @unittest.skip(
+        "asks for GenerationTesterMixin, which lives in transformers' tests/generation/test_utils.py: the sdist does "
+        "not ship it (generate and the KV cache are checked against the stock model in test_parity.py)"
+    )
+    def test_generation_tester_mixin_inheritance(self):
+        pass
+
+    def test_knocks_are_perturbed(self):
+        # The point of this class: if the perturbation stopped applying, every test below would only see identities.
+        model = KHAForCausalLM(self.model_tester.get_config())
+        knock = model.model.layers[0].self_attn.q_knock
+        self.assertGreater((knock.weight - torch.eye(knock.weight.shape[0])).abs().max().item(), 0.1)
+
+
+class KHALlamaCommonTest(_KHACommonTests, unittest.TestCase):
+    base_config = LlamaConfig
+
+
+class KHAQwen3CommonTest(_KHACommonTests, unittest.TestCase):
+    base_config = Qwen3Config
+    family_fields = {"head_dim": 8, "attention_bias": True}
+
+
+class KHAQwen3MoeCommonTest(_KHACommonTests, unittest.TestCase):
+    # The family's own KHA classes (what `KHAForCausalLM(config)` builds): the mixin asks the class, before building
+    # a model, whether its experts can use grouped_mm, and only the concrete class knows its family.
+    all_model_classes = (KHAModel._family_classes["qwen3_moe"], KHAForCausalLM._family_classes["qwen3_moe"])
+    base_config = Qwen3MoeConfig
+    # 16, not 12: torch._grouped_mm (the default experts kernel) needs 16-byte strides in bf16/fp16, stock too
+    family_fields = {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+
+    def test_moe_models_record_router_logits(self):
+        # The mixin decides whether a model has sparse experts by reading the source of the module that defines it
+        # for `@use_experts_implementation`; KHA reuses the family's expert modules, so read the family's module.
+        family_module = inspect.getmodule(Qwen3MoeModel)
+        with mock.patch.object(inspect, "getmodule", lambda *args: family_module):
+            super().test_moe_models_record_router_logits()
