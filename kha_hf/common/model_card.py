@@ -142,8 +142,12 @@ def kha_card(config, source: SourceCard, title: str, description: str) -> str:
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")
+tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO", trust_remote_code=True)
 ```
+
+`trust_remote_code=True` runs the model code in this repository (`configuration_kha.py`, `modeling_kha.py`,
+`knocks.py`); the tokenizer needs it too because transformers reads the model's config before the tokenizer's.
+With `pip install kha-hf` and `import kha_hf`, neither call needs it.
 
 Knocking-Heads Attention: [arXiv 2510.23052](https://arxiv.org/abs/2510.23052), implemented by
 [kha-hf](https://github.com/kha-hf/kha-hf).

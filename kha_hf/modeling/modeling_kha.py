@@ -82,7 +82,8 @@ def _tag_model_card(folder: Path, base_model_type: str) -> None:
         body = (
             "\n# A Knocking-Heads Attention model\n\nA causal LM with Knocking-Heads Attention "
             "([arXiv 2510.23052](https://arxiv.org/abs/2510.23052)); load it with "
-            "`AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)`.\n"
+            "`AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)` (and its tokenizer with "
+            "`AutoTokenizer.from_pretrained(PATH, trust_remote_code=True)`).\n"
         )
         card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
     card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *KHA_TAGS, base_model_type]))
