@@ -134,23 +134,20 @@ def test_card_snippet_loads_model_and_tokenizer_without_kha_hf_or_a_prompt(tmp_p
     assert not any(prompt in output for prompt in PROMPTS), output
 
 
-def test_with_kha_hf_imported_the_tokenizer_loads_without_trust_remote_code_or_a_prompt(tmp_path):
-    folder = _converted_with_tokenizer(tmp_path)
-    script = f"import kha_hf\nfrom transformers import AutoTokenizer\nAutoTokenizer.from_pretrained({str(folder)!r})\n"
-    output = _run_fresh(script + 'print("LOADED")', tmp_path, block_kha_hf=False)
-    assert "LOADED" in output
-    assert not any(prompt in output for prompt in PROMPTS), output
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="transformers 5.24's AutoTokenizer loads the model config first (tokenization_auto.py, "
-    "AutoConfig.from_pretrained), and without kha_hf a KHA config is remote code: it prompts. Passing here means "
-    "transformers changed: drop the README limitation and this mark.",
+UPSTREAM_PROMPT = (
+    "transformers 5.24's AutoTokenizer loads the model config first (tokenization_auto.py, "
+    "AutoConfig.from_pretrained), and without kha_hf a KHA config is remote code: it prompts. "
+    "Passing here means transformers changed: drop the README limitation and this mark."
 )
-def test_without_kha_hf_the_tokenizer_alone_loads_without_a_prompt(tmp_path):
+
+
+@pytest.mark.parametrize(
+    "with_kha_hf", [True, pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=UPSTREAM_PROMPT))]
+)
+def test_the_tokenizer_alone_loads_without_trust_remote_code_or_a_prompt(tmp_path, with_kha_hf):
     folder = _converted_with_tokenizer(tmp_path)
-    script = f"from transformers import AutoTokenizer\nAutoTokenizer.from_pretrained({str(folder)!r})\n"
-    output = _run_fresh(script + 'print("LOADED")', tmp_path, block_kha_hf=True)
+    script = "import kha_hf\n" if with_kha_hf else ""
+    script += f"from transformers import AutoTokenizer\nAutoTokenizer.from_pretrained({str(folder)!r})\n"
+    output = _run_fresh(script + 'print("LOADED")', tmp_path, block_kha_hf=not with_kha_hf)
     assert "LOADED" in output
     assert not any(prompt in output for prompt in PROMPTS), output
