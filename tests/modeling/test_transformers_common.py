@@ -1,4 +1,4 @@
-"""transformers' own `ModelTesterMixin` run on KHA-Llama and KHA-Qwen3 with perturbed (non-identity) knocks.
+"""transformers' own `ModelTesterMixin` run on KHA models of every supported family with perturbed knocks.
 
 The mixin comes from the sdist of the installed transformers (see `upstream_common.py`). It is what every model in
 transformers must pass: save/load round trips, missing-key initialisation, SDPA vs eager, the KV cache, training
@@ -14,7 +14,14 @@ from unittest import mock
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig, Qwen3MoeModel
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 from transformers import initialization as init
 from transformers.models.auto import modeling_auto
 
@@ -49,7 +56,7 @@ class KHAModelTester:
         self.base_config, self.family_fields = base_config, family_fields
 
     def get_config(self) -> KHAConfig:
-        base = self.base_config(
+        fields = dict(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=37,
@@ -60,8 +67,8 @@ class KHAModelTester:
             pad_token_id=0,
             bos_token_id=1,
             eos_token_id=2,
-            **self.family_fields,
         )
+        base = self.base_config(**{**fields, **self.family_fields})
         return KHAConfig.from_base(base, knock="mlp_v_linear_qk")  # all three knocks, both kinds
 
     def prepare_config_and_inputs_for_common(self) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
@@ -104,6 +111,17 @@ class _KHACommonTests(common.ModelTesterMixin):
     def test_generation_tester_mixin_inheritance(self):
         pass
 
+    def test_moe_models_record_router_logits(self):
+        # The mixin decides whether a model has sparse experts by reading the source of the module that defines it
+        # for `@use_experts_implementation`; KHA reuses the family's expert modules, so read the family's module.
+        mro = self.all_model_classes[0].__mro__
+        family = next((c for c in mro if c.__module__.startswith("transformers.models.")), None)
+        if family is None:  # a public class: its family is known only from a config
+            return super().test_moe_models_record_router_logits()
+        family_module = inspect.getmodule(family)
+        with mock.patch.object(inspect, "getmodule", lambda *args: family_module):
+            super().test_moe_models_record_router_logits()
+
     def test_knocks_are_perturbed(self):
         # The point of this class: if the perturbation stopped applying, every test below would only see identities.
         model = KHAForCausalLM(self.model_tester.get_config())
@@ -120,6 +138,15 @@ class KHAQwen3CommonTest(_KHACommonTests, unittest.TestCase):
     family_fields = {"head_dim": 8, "attention_bias": True}
 
 
+class KHAMistralCommonTest(_KHACommonTests, unittest.TestCase):
+    base_config = MistralConfig
+    family_fields = {"sliding_window": 4}
+
+
+class KHAQwen2CommonTest(_KHACommonTests, unittest.TestCase):
+    base_config = Qwen2Config  # q/k/v biases by design
+
+
 class KHAQwen3MoeCommonTest(_KHACommonTests, unittest.TestCase):
     # The family's own KHA classes (what `KHAForCausalLM(config)` builds): the mixin asks the class, before building
     # a model, whether its experts can use grouped_mm, and only the concrete class knows its family.
@@ -128,9 +155,10 @@ class KHAQwen3MoeCommonTest(_KHACommonTests, unittest.TestCase):
     # 16, not 12: torch._grouped_mm (the default experts kernel) needs 16-byte strides in bf16/fp16, stock too
     family_fields = {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
 
-    def test_moe_models_record_router_logits(self):
-        # The mixin decides whether a model has sparse experts by reading the source of the module that defines it
-        # for `@use_experts_implementation`; KHA reuses the family's expert modules, so read the family's module.
-        family_module = inspect.getmodule(Qwen3MoeModel)
-        with mock.patch.object(inspect, "getmodule", lambda *args: family_module):
-            super().test_moe_models_record_router_logits()
+
+class KHAMixtralCommonTest(_KHACommonTests, unittest.TestCase):
+    all_model_classes = (KHAModel._family_classes["mixtral"], KHAForCausalLM._family_classes["mixtral"])
+    base_config = MixtralConfig
+    # head_dim given: with MixtralConfig's default None, dynamic and YaRN RoPE fail in stock Mixtral too
+    # (transformers 5.24, rope init reads `config.head_dim`).
+    family_fields = {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16}
