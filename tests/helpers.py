@@ -1,8 +1,12 @@
-"""Tiny random configs of every supported base family and the one comparison helper every test uses."""
+"""Tiny random configs of every supported base family, the one comparison helper every test uses, fresh processes."""
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -100,3 +104,24 @@ def save_tiny_tokenizer(folder) -> None:
     from kha_hf.training.tokenizer import train_bpe_tokenizer
 
     train_bpe_tokenizer(["the quick brown fox jumps over the lazy dog " * 20], vocab_size=128).save_pretrained(folder)
+
+
+def run_python(script: str, tmp_path: Path, without_kha_hf: bool = True) -> subprocess.CompletedProcess:
+    """SCRIPT in a fresh interpreter, as a user without kha_hf would run it.
+
+    kha_hf is made unimportable (even from an editable install) unless `without_kha_hf=False`; the process gets
+    its own HF_HOME under TMP_PATH (a fresh remote-code cache), the offline hub, and a closed stdin, so a
+    transformers prompt reads EOF instead of hanging.
+    """
+    guard = 'import sys\nsys.modules["kha_hf"] = None  # unimportable, even from an editable install\n'
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_MODULES_CACHE", None)
+    return subprocess.run(
+        [sys.executable, "-P", "-c", (guard if without_kha_hf else "") + script],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -14,7 +12,7 @@ from kha_hf.cli import main
 from kha_hf.common.errors import KHAError
 from kha_hf.conversion.fold import fold
 from kha_hf.conversion.knock_stats import knock_heatmaps, knock_statistics
-from tests.helpers import FAMILIES, assert_close, randomize_knocks, tiny_base_model
+from tests.helpers import FAMILIES, assert_close, randomize_knocks, run_python, tiny_base_model
 
 
 def _trained(family: str, knock: str, tmp_path, shard: str = "1GB"):
@@ -45,8 +43,6 @@ def test_folded_linear_qkv_matches_kha_in_stock_transformers(family, tmp_path):
     # A fresh process without kha_hf and without trust_remote_code: a plain transformers model.
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.modules["kha_hf"] = None
         import torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(result.output)!r}, attn_implementation="eager")
@@ -61,8 +57,7 @@ def test_folded_linear_qkv_matches_kha_in_stock_transformers(family, tmp_path):
         print("FOLD_OK", diff)
         """
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    out = run_python(script, tmp_path)
     assert out.returncode == 0 and "FOLD_OK" in out.stdout, out.stdout + out.stderr
 
 

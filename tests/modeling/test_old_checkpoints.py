@@ -5,9 +5,6 @@ The fixture is a tiny Llama KHA model (q/k/v biases, mlp_v_linear_qk knocks move
 stay byte-for-byte what that release wrote.
 """
 
-import os
-import subprocess
-import sys
 import tarfile
 import textwrap
 from pathlib import Path
@@ -18,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import kha_hf
+from tests.helpers import run_python
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "kha-0.1.0-llama.tar.gz"
 
@@ -44,8 +42,6 @@ def test_old_checkpoint_loads_as_remote_code_without_kha_hf(old_checkpoint, tmp_
     folder, _ = old_checkpoint
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.modules["kha_hf"] = None
         import torch
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
@@ -58,11 +54,7 @@ def test_old_checkpoint_loads_as_remote_code_without_kha_hf(old_checkpoint, tmp_
         print("OLD_REMOTE_OK")
         """
     )
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_MODULES_CACHE", None)
-    result = subprocess.run(
-        [sys.executable, "-P", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_python(script, tmp_path)
     assert "OLD_REMOTE_OK" in result.stdout, result.stdout + result.stderr
 
 

@@ -1,15 +1,12 @@
 """`pipeline("text-generation")` takes KHA models without logging "not supported", with kha_hf and as remote code."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import torch
 from transformers import AutoModelForCausalLM, pipeline
 
 from kha_hf import KHAForCausalLM
-from tests.helpers import save_tiny_tokenizer, tiny_configs
+from tests.helpers import run_python, save_tiny_tokenizer, tiny_configs
 
 
 def tiny_kha_folder(path):
@@ -33,19 +30,13 @@ def test_pipeline_as_remote_code_without_kha_hf(tmp_path):
     folder = tiny_kha_folder(tmp_path / "kha")
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.modules["kha_hf"] = None
         from transformers import pipeline
         generator = pipeline("text-generation", model={str(folder)!r}, trust_remote_code=True)
         assert type(generator.model).__module__.startswith("transformers_modules")
         print(generator("the quick", max_new_tokens=3, do_sample=False)[0]["generated_text"])
         """
     )
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_MODULES_CACHE", None)
-    proc = subprocess.run(
-        [sys.executable, "-P", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_python(script, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "is not supported for text-generation" not in proc.stderr + proc.stdout
     assert proc.stdout.strip().startswith("the quick")

@@ -3,8 +3,6 @@
 import ast
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -13,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import kha_hf
 from kha_hf import KHAForCausalLM
-from tests.helpers import randomize_knocks, save_tiny_tokenizer, tiny_base_model
+from tests.helpers import randomize_knocks, run_python, save_tiny_tokenizer, tiny_base_model
 
 CODE_FILES = {"configuration_kha.py", "modeling_kha.py", "knocks.py"}
 
@@ -55,8 +53,6 @@ def test_fresh_process_without_kha_hf_loads_with_trust_remote_code(tmp_path, fam
     folder = _save_trained(tmp_path, family)
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.modules["kha_hf"] = None  # make the package unimportable, even from an editable install
         try:
             import kha_hf
             raise SystemExit("kha_hf is importable")
@@ -75,11 +71,7 @@ def test_fresh_process_without_kha_hf_loads_with_trust_remote_code(tmp_path, fam
         print("REMOTE_OK", type(model).__name__)
         """
     )
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_MODULES_CACHE", None)
-    result = subprocess.run(
-        [sys.executable, "-P", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_python(script, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "REMOTE_OK" in result.stdout
 
@@ -105,19 +97,8 @@ def _converted_with_tokenizer(tmp_path):
 
 
 def _run_fresh(script: str, tmp_path, block_kha_hf: bool) -> str:
-    """SCRIPT in a fresh process with stdin closed (a prompt reads EOF instead of hanging); stdout + stderr."""
-    guard = 'import sys\nsys.modules["kha_hf"] = None  # unimportable, even from an editable install\n'
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_MODULES_CACHE", None)
-    result = subprocess.run(
-        [sys.executable, "-P", "-c", (guard if block_kha_hf else "") + script],
-        cwd=tmp_path,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """SCRIPT's stdout + stderr from a fresh process (stdin closed); it must succeed."""
+    result = run_python(script, tmp_path, without_kha_hf=block_kha_hf)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout + result.stderr
 

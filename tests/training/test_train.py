@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from kha_hf import KHAForCausalLM
 from kha_hf.training.data import read_documents
 from kha_hf.training.train import train
+from tests.helpers import run_python
 from tests.training.conftest import STEPS, tiny_qwen3
 
 
@@ -92,8 +93,7 @@ def test_every_checkpoint_loads_as_remote_code_in_a_fresh_process(corpus, kha_di
     ids = [[5, 17, 42, 99, 7, 63]]
     script = textwrap.dedent(
         f"""
-        import json, sys
-        sys.modules["kha_hf"] = None
+        import json
         import torch
         from transformers import AutoModelForCausalLM
         logits = {{}}
@@ -105,9 +105,7 @@ def test_every_checkpoint_loads_as_remote_code_in_a_fresh_process(corpus, kha_di
         print("LOGITS " + json.dumps(logits))
         """
     )
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_MODULES_CACHE", None)
-    proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    proc = run_python(script, tmp_path)
     assert proc.returncode == 0 and "LOGITS " in proc.stdout, proc.stderr[-3000:]
     remote = json.loads(proc.stdout.split("LOGITS ", 1)[1])
     untrained = KHAForCausalLM.from_pretrained(kha_dir).eval()
