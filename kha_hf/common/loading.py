@@ -115,6 +115,21 @@ def remote_code_kwargs(ref: str | Path, trust_remote_code: bool = False, echo=pr
     return {"trust_remote_code": bool(trust_remote_code)}
 
 
+def check_remote_code_allowed(folder: Path, trust_remote_code: bool) -> None:
+    """A folder whose architecture only its own code files know (auto_map, a model_type transformers lacks) needs
+    --trust-remote-code; say so in one line instead of letting transformers prompt or fail."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = read_config_dict(folder) or {}
+    model_type = config.get("model_type")
+    if trust_remote_code or model_type == "kha" or model_type in CONFIG_MAPPING or not config.get("auto_map"):
+        return
+    raise KHAError(
+        f"{folder} ships its own model code (auto_map, model_type {model_type!r}); it was not run. "
+        "Pass --trust-remote-code if you trust that code"
+    )
+
+
 def _remote_code_error(ref, err: Exception) -> KHAError | None:
     text = str(err)
     if "trust_remote_code" in text:
@@ -138,6 +153,8 @@ def load_tokenizer(ref: str | Path, tokenizer: str | Path | None = None, trust_r
             f"{folder} has no tokenizer files"
             + ("" if tokenizer else "; pass --tokenizer NAME_OR_PATH (e.g. the base model it was converted from)")
         )
+    if folder.is_dir() and (read_config_dict(folder) or {}).get("model_type") == "kha":
+        trust_remote_code = False  # a KHA folder's tokenizer is its base model's: none of the folder's code runs
     try:
         if gguf is not None and tokenizer is None:
             return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -161,10 +178,15 @@ def load_causal_lm(
     """(model, tokenizer) for REF, in eval mode on DEVICE; code inside REF runs only with `trust_remote_code`."""
     from transformers import AutoModelForCausalLM
 
+    from .checks import check_checkpoint_against_config
+
     check_model_ref(ref)
     check_device(device)
     path = Path(ref).expanduser()
     gguf = find_gguf(path) if path.exists() else None
+    if gguf is None and path.is_dir():
+        check_remote_code_allowed(path, trust_remote_code)
+        check_checkpoint_against_config(path)  # before anything is built: one line, not a random layer
     tok = load_tokenizer(ref, tokenizer, trust_remote_code, gguf)  # first: cheap, and its errors are the common ones
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:

@@ -19,9 +19,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..common.checks import check_config_numbers
 from ..common.errors import KHAError
 from ..common.model_card import SourceCard, kha_card, read_source_card
 from ..common.model_code import copy_model_code
+from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
+from ..common.paths import check_destination, check_free_space
+from ..common.safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index, shard_files
 from ..common.version import __version__
 from ..modeling.configuration_kha import (
     BASE_CONFIG_CLASSES,
@@ -31,9 +35,6 @@ from ..modeling.configuration_kha import (
 )
 from ..modeling.modeling_kha import KNOCKS_FILE
 from .knock_tensors import initial_knock_tensors, layer_prefix, projection_key
-from .output import atomic_output_dir, carry_over_files, place_file, report_placement
-from .paths import check_destination, check_free_space
-from .safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index, shard_files
 from .source import Source, dequantize_gguf, read_config, resolve_source
 
 CONVERTED = (
@@ -126,10 +127,7 @@ def check_base_config(base_config: dict, folder: Path) -> None:
     missing = [name for name in REQUIRED_FIELDS if name not in base_config]
     if missing:
         raise KHAError(f"{folder / 'config.json'} lacks required fields: {', '.join(missing)}")
-    for name in (*REQUIRED_FIELDS, "num_key_value_heads", "head_dim"):
-        value = base_config.get(name)
-        if name in base_config and value is not None and (type(value) is not int or value <= 0):
-            raise KHAError(f"{folder / 'config.json'}: {name} must be a positive integer, got {value!r}")
+    check_config_numbers(base_config, str(folder / "config.json"))
 
 
 def check_layout(config: KHAConfig, tensors: dict[str, TensorInfo], prefix: str) -> None:

@@ -21,12 +21,12 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from ..common.errors import KHAError
 from ..common.model_card import kha_card, read_source_card
 from ..common.model_code import copy_model_code
+from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
+from ..common.paths import check_destination, check_free_space
+from ..common.safetensors_index import INDEX_FILE, read_checkpoint_index, shard_files
 from ..modeling.configuration_kha import KHAConfig
-from .knock_reader import knock_keys, read_kha_config, read_knocks
+from .knock_reader import check_finite, check_knock_tensors, knock_keys, read_kha_config, read_knocks
 from .knock_tensors import KNOCK_KEY, knock_key, layer_prefix, projection_key
-from .output import atomic_output_dir, carry_over_files, place_file, report_placement
-from .paths import check_destination, check_free_space
-from .safetensors_index import INDEX_FILE, read_checkpoint_index, shard_files
 
 
 @dataclass
@@ -75,7 +75,9 @@ def fold(
             raise KHAError("nothing to fold: this model has no linear knocks (only the value MLP)")
     tensors = read_checkpoint_index(kha_dir)
     prefix = layer_prefix(tensors)
+    check_knock_tensors(config, tensors, prefix, kha_dir)
     knocks = read_knocks(kha_dir, tensors)
+    check_finite(knocks, kha_dir)
     head_dim = config.kha_head_dim
     # (projection tensor name) -> the knock matrix to apply
     plan: dict[str, torch.Tensor] = {}

@@ -8,9 +8,9 @@ import torch
 from safetensors import safe_open
 
 from ..common.errors import KHAError
+from ..common.safetensors_index import TensorInfo, read_checkpoint_index
 from ..modeling.configuration_kha import KHAConfig
-from .knock_tensors import KNOCK_KEY
-from .safetensors_index import TensorInfo, read_checkpoint_index
+from .knock_tensors import KNOCK_KEY, knock_specs
 from .source import read_config
 
 
@@ -26,6 +26,38 @@ def read_kha_config(folder: Path) -> KHAConfig:
 
 def knock_keys(tensors: dict[str, TensorInfo]) -> list[str]:
     return sorted(name for name in tensors if KNOCK_KEY.match(name))
+
+
+def check_knock_tensors(config: KHAConfig, tensors: dict[str, TensorInfo], prefix: str, folder: Path) -> None:
+    """The checkpoint holds exactly the knock tensors its config describes, each a d_h x d_h matrix."""
+    expected = knock_specs(config, prefix)
+    found = set(knock_keys(tensors))
+    missing = sorted(set(expected) - found)
+    if missing:
+        raise KHAError(f"{folder}: knock tensor {missing[0]} is missing ({len(missing)} missing in all)")
+    extra = sorted(found - set(expected))
+    if extra:
+        raise KHAError(
+            f"{folder}: knock tensor {extra[0]} is not described by config.json (knocks {config.knock_q}/"
+            f"{config.knock_k}/{config.knock_v} on layers {_layers(config)}); {len(extra)} such tensors"
+        )
+    d = config.kha_head_dim
+    for name in sorted(found):
+        if tensors[name].shape != (d, d):
+            raise KHAError(f"{folder}: knock tensor {name} has shape {list(tensors[name].shape)}, expected [{d}, {d}]")
+
+
+def _layers(config: KHAConfig) -> str:
+    layers = config.knocked_layers
+    return f"0..{layers[-1]}" if layers == list(range(len(layers))) else ",".join(map(str, layers))
+
+
+def check_finite(knocks: dict[str, torch.Tensor], folder: Path) -> None:
+    """NaN or infinite knock values would spread into every weight they are folded into."""
+    for name, tensor in knocks.items():
+        if not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise KHAError(f"{folder}: knock tensor {name} holds {bad} NaN or infinite values; refusing to use it")
 
 
 def read_knocks(folder: Path, tensors: dict[str, TensorInfo] | None = None) -> dict[str, torch.Tensor]:

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 
-from .knock_reader import read_kha_config, read_knocks
-from .knock_tensors import KNOCK_KEY, KNOCK_PARTS
+from ..common.errors import KHAError
+from ..common.safetensors_index import read_checkpoint_index
+from .knock_reader import check_knock_tensors, read_kha_config, read_knocks
+from .knock_tensors import KNOCK_KEY, KNOCK_PARTS, layer_prefix
 
 
 def matrix_stats(weight: torch.Tensor, start: str) -> dict[str, float]:
@@ -41,8 +43,14 @@ LABEL_ORDER = ["q", "k", "v", "v.up", "v.gate", "v.down"]
 def knock_matrices(kha_dir: Path) -> list[tuple[int, str, str, torch.Tensor]]:
     """(layer, label, initial value, weight) for every knock matrix; labels q / k / v / v.up / v.gate / v.down."""
     config = read_kha_config(kha_dir)
+    tensors = read_checkpoint_index(kha_dir)
+    try:
+        prefix = layer_prefix(tensors)
+    except ValueError as err:
+        raise KHAError(f"{kha_dir}: {err}") from err
+    check_knock_tensors(config, tensors, prefix, kha_dir)  # every matrix d_h x d_h, as the config says
     found = []
-    for name, tensor in read_knocks(kha_dir).items():
+    for name, tensor in read_knocks(kha_dir, tensors).items():
         match = KNOCK_KEY.match(name)
         target, part = match.group("target"), match.group("part")
         kind = getattr(config, f"knock_{target}")
@@ -82,21 +90,37 @@ def knock_heatmaps(kha_dir: str | Path) -> dict[tuple[str, int], torch.Tensor]:
     return cells
 
 
-def plot_knocks(kha_dir: str | Path, path: str | Path, max_layers: int = 8) -> Path:
-    """A heatmap grid, rows = knocks, columns = layers (up to `max_layers`, evenly spaced): T − T0 per cell."""
+def check_plot_path(path: str | Path) -> Path:
+    """PATH if matplotlib can write its format (from the suffix), else a KHAError listing the formats."""
     import matplotlib
 
     matplotlib.use("Agg")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise KHAError(f"cannot write a plot to {path}: use a file name ending in .{', .'.join(sorted(formats))}")
+    if not path.parent.expanduser().is_dir():
+        raise KHAError(f"cannot write a plot to {path}: the folder {path.parent} does not exist")
+    return path
+
+
+def plot_knocks(kha_dir: str | Path, path: str | Path, max_layers: int | None = 8) -> Path:
+    """A heatmap grid, rows = knocks, columns = layers (up to `max_layers`, evenly spaced; None: every layer):
+    T − T0 per cell."""
+    path = check_plot_path(path)
     import matplotlib.pyplot as plt
 
     kha_dir = Path(kha_dir)
     cells = knock_heatmaps(kha_dir)
     knocks = sorted({k for k, _ in cells}, key=LABEL_ORDER.index)
     layers = sorted({layer for _, layer in cells})
-    if len(layers) > max_layers:
+    if max_layers is not None and len(layers) > max_layers:
         step = (len(layers) - 1) / (max_layers - 1)
         layers = sorted({layers[round(i * step)] for i in range(max_layers)})
-    scale = max((v.abs().max().item() for v in cells.values()), default=1.0) or 1.0
+    scale = max((v.abs().max().item() for v in cells.values()), default=0.0)
     fig, axes = plt.subplots(
         len(knocks), len(layers), figsize=(1.6 * len(layers) + 1, 1.6 * len(knocks) + 0.6), squeeze=False
     )
@@ -107,15 +131,18 @@ def plot_knocks(kha_dir: str | Path, path: str | Path, max_layers: int = 8) -> P
             ax.set_xticks([])
             ax.set_yticks([])
             if (knock, layer) in cells:
-                image = ax.imshow(cells[(knock, layer)].numpy(), cmap="RdBu_r", vmin=-scale, vmax=scale)
+                limit = scale or 1.0  # an untouched model: a blank (all-zero) map, not a division by zero
+                image = ax.imshow(cells[(knock, layer)].numpy(), cmap="RdBu_r", vmin=-limit, vmax=limit)
             if i == 0:
                 ax.set_title(f"layer {layer}", fontsize=8)
             if j == 0:
                 ax.set_ylabel(knock, fontsize=9)
-    fig.suptitle(f"learned knocks minus their initial value (T − T0), {kha_dir.name}", fontsize=10)
+    moved = scale > 0 and any(v.abs().max().item() > 0 for v in cells.values())
+    state = "minus their initial value (T − T0)" if moved else "all still at their initial value (T − T0 = 0)"
+    shown = f"{len(layers)} of {len({layer for _, layer in cells})} layers"
+    fig.suptitle(f"knocks of {kha_dir.name} {state}; {shown}", fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8)
-    path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

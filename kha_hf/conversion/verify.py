@@ -60,13 +60,24 @@ def verify_conversion(
 
     Code shipped inside BASE runs only with `trust_remote_code`; KHA_DIR loads with the installed kha_hf classes.
     """
-    from ..common.loading import check_device, check_model_ref, load_causal_lm, read_config_dict, torch_dtype
+    from ..common.checks import check_checkpoint_against_config
+    from ..common.loading import (
+        check_device,
+        check_model_ref,
+        find_gguf,
+        load_causal_lm,
+        read_config_dict,
+        torch_dtype,
+    )
 
     check_model_ref(base, "BASE")
     check_model_ref(kha_dir, "KHA_DIR")
     check_device(device)
     if (read_config_dict(Path(kha_dir)) or {}).get("model_type") != "kha":
         raise KHAError(f"{kha_dir} is not a KHA checkpoint folder (its config.json has no model_type 'kha')")
+    for folder in (Path(base), Path(kha_dir)):  # both, before either is loaded
+        if folder.is_dir() and find_gguf(folder) is None:
+            check_checkpoint_against_config(folder)
     base_model, _ = load_causal_lm(
         base, dtype, device, attn_implementation="eager", trust_remote_code=trust_remote_code, tokenizer=tokenizer
     )

@@ -1,17 +1,21 @@
-"""`kha serve`: transformers' serving stack (FastAPI + uvicorn, OpenAI-compatible) with KHA models resolved.
+"""`kha serve`: transformers' serving stack (FastAPI + uvicorn, OpenAI-compatible), serving one model safely.
 
-transformers 5.24's `ModelManager._load_model` resolves a checkpoint's class as `getattr(transformers,
-config.architectures[0])`, so any checkpoint whose class is not part of transformers (every remote-code model, KHA
-included) fails with AttributeError even with --trust-remote-code. The workaround is the smallest we found: a
-ModelManager subclass that loads KHA checkpoints (model_type "kha") through `AutoModelForCausalLM`, where kha_hf has
-registered its classes, so their own code files are not run. transformers' `Serve` builds its ModelManager by name
-inside its constructor; the subclass is swapped in for that one constructor call only (`non_blocking`, then we join
-the server thread), so nothing changes for other models or other code in the process.
+Three classes of transformers' server are swapped for subclasses while `Serve` builds the server (and only for
+that one constructor call, so nothing changes for other code in the process); each works around one thing of
+transformers 5.24:
+
+- `ModelManager._load_model` resolves a checkpoint's class as `getattr(transformers, config.architectures[0])`,
+  so remote-code checkpoints (KHA included) fail even with --trust-remote-code. KHA checkpoints (model_type "kha")
+  load through `AutoModelForCausalLM`, where kha_hf registered its classes: their code files never run, and their
+  tokenizer loads without remote code too.
+- `GenerationState` hands out generation managers without request limits: see `generation.py`.
+- `build_server` exposes model loading and unloading to any client: `guard.ServeGuard` is put in front of it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
 import time
 import urllib.request
@@ -19,20 +23,31 @@ from pathlib import Path
 from unittest import mock
 
 from ..common.errors import KHAError
-from ..common.loading import check_model_ref, read_config_dict
+from ..common.loading import check_device, check_model_ref, check_remote_code_allowed, read_config_dict
+from .guard import RequestRegistry, ServeGuard, ServeLimits, model_aliases
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def kha_model_manager_class():
     """transformers' ModelManager, except that KHA checkpoints load through kha_hf's registered classes."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.utils import split_revision
 
+    def is_kha(model_id: str) -> bool:
+        return Path(model_id).is_dir() and (read_config_dict(Path(model_id)) or {}).get("model_type") == "kha"
+
     class KHAModelManager(ModelManager):
+        def _load_processor(self, model_id_and_revision, gguf_file=None):
+            model_id, revision = split_revision(model_id_and_revision)
+            if gguf_file is None and is_kha(model_id):  # the base model's tokenizer: no code of the folder runs
+                return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=False)
+            return super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
+
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
             model_id, revision = split_revision(model_id_and_revision)
-            config = read_config_dict(Path(model_id)) if Path(model_id).is_dir() else None
-            if gguf_file is not None or (config or {}).get("model_type") != "kha":
+            if gguf_file is not None or not is_kha(model_id):
                 return super()._load_model(model_id_and_revision, tqdm_class, progress_callback, gguf_file)
             return AutoModelForCausalLM.from_pretrained(
                 model_id,
@@ -47,12 +62,25 @@ def kha_model_manager_class():
     return KHAModelManager
 
 
-def check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+def check_listen_address(host: str, port: int) -> None:
+    """One-line KHAError unless HOST:PORT can be listened on here."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise KHAError(f"cannot resolve --host {host!r}: {err.strerror or err}") from err
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
         try:
-            probe.bind((host, port))
+            probe.bind(address)
         except OSError as err:
-            raise KHAError(f"cannot listen on {host}:{port}: {err.strerror or err} (pick another --port)") from err
+            if err.errno == errno.EADDRINUSE:
+                raise KHAError(f"cannot listen on {host}:{port}: the port is in use (pick another --port)") from err
+            raise KHAError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
+
+
+# the old name, kept for callers of 0.2
+check_port_free = check_listen_address
 
 
 def wait_until_ready(host: str, port: int, timeout: float) -> None:
@@ -68,6 +96,30 @@ def wait_until_ready(host: str, port: int, timeout: float) -> None:
     raise KHAError(f"the server did not answer on {url} within {timeout:.0f} s")
 
 
+def check_serve_inputs(model: str, device: str, dtype: str, trust_remote_code: bool, limits: ServeLimits) -> str:
+    """Bad inputs fail here, in one line, before anything is loaded; returns the name the server serves under."""
+    check_model_ref(model)
+    if dtype not in DTYPE_CHOICES:
+        raise KHAError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_CHOICES)}")
+    if device != "auto":
+        check_device(device)
+    for name, value in (("max_new_tokens", limits.max_new_tokens), ("max_request_bytes", limits.max_request_bytes)):
+        if not isinstance(value, int) or value < 1:
+            raise KHAError(f"{name} must be a positive integer, got {value!r}")
+    if not limits.request_timeout > 0:
+        raise KHAError(f"request_timeout must be a positive number of seconds, got {limits.request_timeout!r}")
+    path = Path(model).expanduser()
+    if not path.exists():
+        return str(model)  # a Hub id
+    if not path.is_dir() or read_config_dict(path) is None:
+        raise KHAError(f"{model} is not a model folder (it has no readable config.json)")
+    check_remote_code_allowed(path, trust_remote_code)
+    from ..common.checks import check_checkpoint_against_config
+
+    check_checkpoint_against_config(path)
+    return str(path.resolve())
+
+
 def start_server(
     model: str,
     host: str = "127.0.0.1",
@@ -77,22 +129,40 @@ def start_server(
     dtype: str = "auto",
     trust_remote_code: bool = False,
     ready_timeout: float = 300.0,
+    limits: ServeLimits | None = None,
 ):
     """Load MODEL and start transformers' server on HOST:PORT in a background thread; returns the `Serve` object
-    (its `kill_server()` stops it). Blocks until /health answers."""
+    (its `kill_server()` stops it). Blocks until /health answers. Only MODEL is ever served (see `guard.py`)."""
     from transformers.cli import serve as serve_module
     from transformers.cli.serving import model_manager
+    from transformers.cli.serving import server as server_module
+    from transformers.cli.serving import utils as serving_utils
     from transformers.utils.import_utils import is_serve_available
+
+    from .generation import kha_generation_state_class
 
     if not is_serve_available():
         raise KHAError("serving needs transformers' serving extras: pip install 'kha-hf[serve]'")
-    check_model_ref(model)
-    check_port_free(host, port)
-    path = Path(model).expanduser()
-    name = str(path.resolve()) if path.exists() else str(model)
-    with mock.patch.object(model_manager, "ModelManager", kha_model_manager_class()):
+    limits = limits or ServeLimits()
+    served = check_serve_inputs(model, device, dtype, trust_remote_code, limits)
+    check_listen_address(host, port)
+    registry = RequestRegistry()
+    build_server = server_module.build_server
+
+    def guarded_build_server(*args, **kwargs):
+        app = build_server(*args, **kwargs)
+        app.add_middleware(
+            ServeGuard, served=served, aliases=model_aliases(str(model), served), limits=limits, registry=registry
+        )
+        return app
+
+    with (
+        mock.patch.object(model_manager, "ModelManager", kha_model_manager_class()),
+        mock.patch.object(serving_utils, "GenerationState", kha_generation_state_class(limits, registry)),
+        mock.patch.object(server_module, "build_server", guarded_build_server),
+    ):
         server = serve_module.Serve(
-            force_model=name,
+            force_model=served,
             continuous_batching=continuous_batching,
             device=device,
             dtype=dtype,
@@ -101,6 +171,7 @@ def start_server(
             port=port,
             non_blocking=True,
         )
+    server.kha_registry = registry  # the requests in flight (tests and monitoring read it)
     wait_until_ready(host, port, ready_timeout)
     return server
 

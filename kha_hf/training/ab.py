@@ -15,6 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from ..common.errors import KHAError
+from ..common.output import atomic_output_dir
+from ..common.paths import check_run_destination
 from ..modeling.modeling_kha import KHAForCausalLM
 from .ab_presets import AB_PRESETS, ABPreset
 from .ab_report import (
@@ -58,10 +60,12 @@ def ab(
     bf16: bool = False,
     logging_steps: int | None = None,
     disable_tqdm: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """Run the A/B for SEEDS seeds (SEED, SEED+1, ...) and return the summary (also OUTPUT/summary.json).
 
-    Each seed draws new initial weights and a new data order; the baseline and its KHA twin share both.
+    Each seed draws new initial weights and a new data order; the baseline and its KHA twin share both. OUTPUT
+    appears when the run is complete; an existing one is replaced only with `overwrite`.
     """
     check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, seeds=seeds)
     if lr is not None and not lr >= 0:
@@ -69,15 +73,36 @@ def ab(
     preset = AB_PRESETS.get(base, AB_PRESETS["cpu-tiny"])
     config = _base_config(base, preset)
     steps, seq, batch = max_steps or preset.max_steps, seq_len or preset.seq_len, batch_size or preset.batch_size
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-
+    final = check_run_destination(output, [base], data, overwrite)
     documents = read_documents(data)
     tokenizer = train_bpe_tokenizer(documents, config.vocab_size)
     config.vocab_size = len(tokenizer)
     train_set, heldout_set = train_heldout_split(documents, tokenizer, seq)
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq} tokens")
 
+    with atomic_output_dir(final, overwrite=overwrite, marker="ab") as output:
+        runs = _train_pairs(
+            config,
+            knock,
+            output,
+            train_set,
+            heldout_set,
+            steps,
+            seq,
+            batch,
+            lr if lr is not None else preset.lr,
+            seed,
+            seeds,
+            bf16,
+            logging_steps,
+            disable_tqdm,
+        )
+        return write_report(runs, output, knock, config, steps, final)
+
+
+def _train_pairs(
+    config, knock, output, train_set, heldout_set, steps, seq, batch, lr, seed, seeds, bf16, logging_steps, disable_tqdm
+) -> list[ArmRun]:
     runs: list[ArmRun] = []
     for run_seed in range(seed, seed + seeds):
         torch.manual_seed(run_seed)
@@ -96,7 +121,7 @@ def ab(
                 max_steps=steps,
                 per_device_train_batch_size=batch,
                 per_device_eval_batch_size=batch,
-                learning_rate=lr if lr is not None else preset.lr,
+                learning_rate=lr,
                 logging_steps=logging_steps or max(1, steps // 50),
                 save_strategy="no",
                 seed=run_seed,
@@ -109,10 +134,12 @@ def ab(
             heldout = trainer.evaluate()["eval_loss"]
             curve = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
             runs.append(ArmRun(name, run_seed, curve, curve[-1][1], heldout))
-    return write_report(runs, output, knock, config, steps)
+    return runs
 
 
-def write_report(runs: list[ArmRun], output: Path, knock: str, config, steps: int) -> dict:
+def write_report(runs: list[ArmRun], output: Path, knock: str, config, steps: int, final: Path | None = None) -> dict:
+    """Write the CSV, JSON and PNG into OUTPUT and print the comparison; FINAL: where OUTPUT will be moved."""
+    final = final or output
     comparison = compare_arms(runs, "kha", "baseline")
     arms = arm_summary(runs)
     summary = {
@@ -133,5 +160,5 @@ def write_report(runs: list[ArmRun], output: Path, knock: str, config, steps: in
     for row in comparison["per_seed"]:
         print(f"{row['seed']:>6} {row['baseline_heldout']:>10.4f} {row['kha_heldout']:>10.4f} {row['delta']:>+9.4f}")
     print_comparison(comparison)
-    print(f"wrote {output / 'loss_curves.csv'}, {output / 'loss_curves.png'}, {output / 'summary.json'}")
+    print(f"wrote {final / 'loss_curves.csv'}, {final / 'loss_curves.png'}, {final / 'summary.json'}")
     return summary

@@ -50,6 +50,8 @@ def read_documents(sources: Iterable[str] | None) -> list[str]:
             documents += [doc for f in files for doc in _read_file(f)]
         elif path.is_file():
             documents += _read_file(path)
+        elif path.exists():  # a FIFO, a device, a socket: reading one could block or never end
+            raise KHAError(f"{source} is not a regular file or folder")
         elif _looks_like_hub_dataset(source):
             documents += _read_hub_dataset(source)
         else:

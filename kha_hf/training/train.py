@@ -11,15 +11,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import TrainingArguments
 
+from ..common.checks import check_checkpoint_against_config
 from ..common.errors import KHAError
 from ..common.loading import check_model_ref, load_tokenizer, read_config_dict
 from ..common.model_card import carry_training_card
+from ..common.output import resumable_partials
+from ..common.paths import check_free_space, check_replaceable, check_run_destination, is_training_run
 from ..modeling.configuration_kha import SUPPORTED_BASE_MODEL_TYPES
 from ..modeling.modeling_kha import KHAForCausalLM
 from .data import read_documents, train_heldout_split
 from .modes import DEFAULT_LR, prepare_for_mode
+from .run_dir import run_output_dir
 from .trainer import CheckpointCodeCallback, KHATrainer
 
 
@@ -52,6 +57,7 @@ def check_trainable_config(folder: Path) -> None:
             f"{folder} is a {model_type!r} model; kha trains KHA checkpoints and base checkpoints of: "
             f"{', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
         )
+    check_checkpoint_against_config(folder)
 
 
 def paper_training_arguments(output_dir: Path, **overrides) -> TrainingArguments:
@@ -99,17 +105,29 @@ def train(
     disable_tqdm: bool = False,
     eval_before: bool = False,
     tokenizer: str | Path | None = None,
+    overwrite: bool = False,
 ) -> TrainResult:
-    """Train MODEL_PATH (a KHA checkpoint) and save the result to OUTPUT_DIR; returns final losses."""
+    """Train MODEL_PATH (a KHA checkpoint) and save the result to OUTPUT_DIR; returns final losses.
+
+    OUTPUT_DIR follows the rules of `kha convert`: never the model, a folder holding it, the working directory, home,
+    a root or a folder inside the data; an existing one only with `overwrite` (or `resume`). The run works in a
+    temporary sibling that becomes OUTPUT_DIR when the model is saved, so an interrupted run or save leaves any
+    earlier OUTPUT_DIR as it was; an interrupted run with checkpoints is kept for `resume`.
+    """
     check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum)
     for name, value in (("lr", lr), ("knock_lr", knock_lr)):
         if value is not None and not value >= 0:
             raise KHAError(f"{name} must be >= 0, got {value}")
-    output_dir = Path(output_dir)
     check_model_ref(model_path)
     if Path(model_path).exists():  # adapters record their base model's path: make it absolute
         model_path = Path(model_path).resolve()
         check_trainable_config(model_path)
+    if resume:
+        output_dir, adopt, checkpoint = resume_point(output_dir)
+        replace = output_dir.exists()
+    else:
+        output_dir = check_run_destination(output_dir, [model_path, tokenizer], data, overwrite)
+        adopt, checkpoint, replace = None, None, overwrite
     documents = read_documents(data)  # bad data fails before anything is loaded
     tokenizer = load_tokenizer(model_path, tokenizer)  # the argument names it; from here on it is the object
     train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_heldout_blocks=max_eval_blocks)
@@ -118,10 +136,12 @@ def train(
     except (OSError, ValueError) as err:
         raise KHAError(f"cannot load a KHA model from {model_path}: {err}") from err
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    check_free_space(output_dir.parent, model_bytes + (1 << 20), "the trained model")
 
     model = prepare_for_mode(model, mode, lora_r=lora_r)
     args = paper_training_arguments(
-        output_dir,
+        output_dir,  # replaced by the run's working folder below
         max_steps=max_steps,
         per_device_train_batch_size=batch_size,
         per_device_eval_batch_size=batch_size,
@@ -136,33 +156,58 @@ def train(
         report_to=report_to,
         disable_tqdm=disable_tqdm,
     )
-    trainer = KHATrainer(
-        model=model,
-        args=args,
-        train_dataset=train_set,
-        eval_dataset=heldout_set,
-        processing_class=tokenizer,
-        callbacks=[CheckpointCodeCallback()],
-        knock_lr=knock_lr,
-    )
-    before = trainer.evaluate()["eval_loss"] if eval_before else None
-    output = trainer.train(resume_from_checkpoint=True if resume else None)
-    heldout = trainer.evaluate()["eval_loss"]
-    adapter_dir = None
-    if mode == "lora":
-        adapter_dir = output_dir / "adapter"
-        model.save_pretrained(adapter_dir)
-        model = model.merge_and_unload()  # a full KHA model with the trained knocks and merged LoRA deltas
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    if Path(model_path).is_dir():
-        note = (
-            f"Trained with `kha train --mode {mode}` for {output.global_step} steps of {batch_size * grad_accum} x "
-            f"{seq_len} tokens; held-out loss {heldout:.4f}."
+    with run_output_dir(output_dir, replace, args, adopt=adopt) as work:
+        trainer = KHATrainer(
+            model=model,
+            args=args,
+            train_dataset=train_set,
+            eval_dataset=heldout_set,
+            processing_class=tokenizer,
+            callbacks=[CheckpointCodeCallback()],
+            knock_lr=knock_lr,
         )
-        carry_training_card(Path(model_path), output_dir, note)
+        before = trainer.evaluate()["eval_loss"] if eval_before else None
+        output = trainer.train(resume_from_checkpoint=checkpoint)
+        heldout = trainer.evaluate()["eval_loss"]
+        adapter_dir = None
+        print(f"saving the trained model to {output_dir}")
+        try:
+            if mode == "lora":
+                model.save_pretrained(work / "adapter")
+                adapter_dir = output_dir / "adapter"
+                model = model.merge_and_unload()  # a full KHA model with the trained knocks and merged LoRA deltas
+            model.save_pretrained(work)
+            tokenizer.save_pretrained(work)
+        except (OSError, SafetensorError) as err:  # a full disk ends here; safetensors' error is no OSError
+            raise KHAError(f"cannot save the trained model to {output_dir}: {err}") from err
+        if Path(model_path).is_dir():
+            note = (
+                f"Trained with `kha train --mode {mode}` for {output.global_step} steps of {batch_size * grad_accum} "
+                f"x {seq_len} tokens; held-out loss {heldout:.4f}."
+            )
+            carry_training_card(Path(model_path), work, note)
     change = f" (before training: {before:.4f})" if before is not None else ""
     print(f"train loss {output.training_loss:.4f}, held-out loss {heldout:.4f}{change}; saved to {output_dir}")
     return TrainResult(
         output_dir, output.training_loss, heldout, output.global_step, trainer.state.log_history, adapter_dir, before
     )
+
+
+def resume_point(output_dir: str | Path) -> tuple[Path, Path | None, str]:
+    """(OUTPUT, kept folder to continue in or None, checkpoint to resume from) for `--resume`.
+
+    An interrupted run of OUTPUT kept its checkpoints in a `.OUTPUT.*.partial` sibling: the run continues there. A
+    finished run (or checkpoints put in OUTPUT by hand) resumes from OUTPUT's last checkpoint-N; the new result
+    then replaces OUTPUT.
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    output_dir = Path(output_dir).expanduser().absolute()
+    kept = resumable_partials(output_dir)
+    if kept:
+        print(f"resuming the interrupted run kept in {kept[0]}")
+        return output_dir, kept[0], get_last_checkpoint(str(kept[0]))
+    if output_dir.is_dir() and is_training_run(output_dir):
+        check_replaceable(output_dir)
+        return output_dir, None, get_last_checkpoint(str(output_dir))
+    raise KHAError(f"nothing to resume: {output_dir} holds no checkpoint-N folders and no interrupted run of it")

@@ -17,10 +17,22 @@ from .progress import use_readable_progress
 class KHATrainer(Trainer):
     def __init__(self, *args, knock_lr: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._fit_eval_batch_to_eval_set()
         use_readable_progress(self)  # a step bar and one line per log, not raw dicts
         self.add_callback(KnockSyncCheck)
         self.knock_lr = knock_lr
         self._last_log = (time.perf_counter(), 0)
+
+    def _fit_eval_batch_to_eval_set(self) -> None:
+        # The paper's arguments drop incomplete batches (`dataloader_drop_last`, so DDP ranks see equal batches),
+        # and Trainer applies that to evaluation too: a held-out set smaller than one batch would give no batch and
+        # no eval_loss at all (transformers 5.24). Shrink the eval batch to what the set holds.
+        eval_set = self.eval_dataset
+        if eval_set is None or not hasattr(eval_set, "__len__") or isinstance(eval_set, dict):
+            return
+        per_device = max(1, len(eval_set) // max(1, self.args.world_size))
+        if self.args.per_device_eval_batch_size > per_device:
+            self.args.per_device_eval_batch_size = per_device
 
     def get_decay_parameter_names(self, model) -> list[str]:
         # Decay pulls toward 0, but a knock's neutral value is the identity: never decay knocks.

@@ -23,6 +23,8 @@ from torch import nn
 
 from ..common.errors import KHAError
 from ..common.loading import find_gguf, load_tokenizer
+from ..common.output import atomic_output_dir
+from ..common.paths import check_run_destination
 from ..modeling.configuration_kha import KNOCK_PRESETS
 from ..training.ab_report import (
     ArmRun,
@@ -62,8 +64,63 @@ def continued_ab(
     limit: int = 100,
     tokenizer: str | None = None,
     trust_remote_code: bool = False,
+    overwrite: bool = False,
 ) -> dict:
-    """Run the four arms over SEEDS seeds; write loss_curves.csv/.png and summary.json to OUTPUT."""
+    """Run the four arms over SEEDS seeds; write loss_curves.csv/.png and summary.json to OUTPUT.
+
+    OUTPUT follows the destination rules of `kha convert` and appears only when the run is complete (an existing
+    one is replaced only with `overwrite`)."""
+    from ..training.train import check_training_numbers
+
+    check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, seeds=seeds)
+    if knock not in KNOCK_PRESETS:
+        raise KHAError(f"unknown knock preset {knock!r}; choose one of: {', '.join(KNOCK_PRESETS)}")
+    start = time.perf_counter()
+    final = check_run_destination(output, [model, tokenizer], data, overwrite)
+    with atomic_output_dir(final, overwrite=overwrite, marker="ab") as output:
+        summary = _run(
+            model,
+            output,
+            knock,
+            max_steps,
+            seq_len,
+            batch_size,
+            lr_full,
+            lr_small,
+            data,
+            seed,
+            seeds,
+            max_eval_blocks,
+            run_eval,
+            limit,
+            tokenizer,
+            trust_remote_code,
+        )
+        summary["minutes"] = (time.perf_counter() - start) / 60
+        write_json(output / "summary.json", summary)
+    print(f"wrote {final / 'loss_curves.csv'}, {final / 'loss_curves.png'}, {final / 'summary.json'}")
+    return summary
+
+
+def _run(
+    model,
+    output: Path,
+    knock,
+    max_steps,
+    seq_len,
+    batch_size,
+    lr_full,
+    lr_small,
+    data,
+    seed,
+    seeds,
+    max_eval_blocks,
+    run_eval,
+    limit,
+    tokenizer,
+    trust_remote_code,
+) -> dict:
+    """The four arms over the seeds, written into OUTPUT (the run's temporary folder)."""
     from transformers import AutoModelForCausalLM
 
     from ..conversion import convert
@@ -71,26 +128,17 @@ def continued_ab(
     from ..modeling.modeling_kha import KHAForCausalLM
     from ..training.data import read_documents, train_heldout_split
     from ..training.modes import prepare_for_mode, with_lora
-    from ..training.train import check_training_numbers
-
-    check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, seeds=seeds)
-    if knock not in KNOCK_PRESETS:
-        raise KHAError(f"unknown knock preset {knock!r}; choose one of: {', '.join(KNOCK_PRESETS)}")
-    start = time.perf_counter()
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
 
     # 1. one conversion; the base arms read the same (dequantised) weights
     source = resolve_source(model)
     base_dir = source.folder
     if find_gguf(Path(model)) is not None:
         base_dir = output / "base"
-        if not (base_dir / "config.json").is_file():
-            print(f"dequantising {source.gguf_file.name} to {base_dir}")
-            dequantize_gguf(source.gguf_file, base_dir)
+        print(f"dequantising {source.gguf_file.name} to {base_dir}")
+        dequantize_gguf(source.gguf_file, base_dir)
     kha_dir = output / "kha"
     print(f"converting {base_dir} to KHA ({knock}) in {kha_dir}")
-    convert(base_dir, kha_dir, knock=knock, link=True, overwrite=kha_dir.exists(), progress=False)
+    convert(base_dir, kha_dir, knock=knock, link=True, progress=False)
 
     tok = load_tokenizer(base_dir, tokenizer, trust_remote_code)
     documents = read_documents(data)
@@ -167,16 +215,13 @@ def continued_ab(
     }
     if run_eval:
         summary["eval"] = _evaluate_arms(kept, tok, limit, output)
-    summary["minutes"] = (time.perf_counter() - start) / 60
     write_curves_csv(runs, output / "loss_curves.csv")
     plot_mean_curves(runs, output / "loss_curves.png", f"continued training from {Path(str(model)).name}")
-    write_json(output / "summary.json", summary)
     print(f"\n{'arm':>12} {'held-out before':>16} {'after (mean)':>13}")
     for arm, entry in summary["arms"].items():
         print(f"{arm:>12} {entry['heldout_before_mean']:>16.4f} {entry['heldout_loss_mean']:>13.4f}")
     for comparison in comparisons:
         print_comparison(comparison)
-    print(f"wrote {output / 'loss_curves.csv'}, {output / 'loss_curves.png'}, {output / 'summary.json'}")
     return summary
 
 

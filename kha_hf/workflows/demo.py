@@ -14,7 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from ..common.errors import KHAError
+from ..common.output import atomic_output_dir
+from ..common.paths import check_run_destination
 
 SEQ_LEN, BATCH_SIZE, LR, SEED = 256, 4, 2e-3, 0
 
@@ -28,9 +29,25 @@ def run_demo(
     overwrite: bool = False,
     trust_remote_code: bool = False,
 ) -> dict:
+    """The demo into OUTPUT, which appears when it is complete (an existing one is replaced only with `overwrite`)."""
+    from ..common.assets import smollm2_gguf
+
+    start = time.perf_counter()
+    base = str(model or smollm2_gguf())
+    final = check_run_destination(output, [base], None, overwrite)
+    with atomic_output_dir(final, overwrite=overwrite, marker="demo") as work:
+        summary = _demo(base, work, final, knock, train_steps, limit, start)
+    print(f"disk used: {_disk_usage(final) / 2**20:,.0f} MiB")
+    print("\nnext, offline, on these outputs:")
+    for command in next_steps(base, final):
+        print(f"  {command}")
+    return summary
+
+
+def _demo(base: str, output: Path, final: Path, knock: str, train_steps: int, limit: int, start: float) -> dict:
+    """The five steps, written into OUTPUT (the demo's temporary folder, moved to FINAL when done)."""
     from lm_eval.tasks import TaskManager
 
-    from ..common.assets import smollm2_gguf
     from ..common.loading import load_tokenizer
     from ..conversion import convert
     from ..conversion.knock_stats import format_table, knock_statistics, plot_knocks
@@ -42,19 +59,11 @@ def run_demo(
     from ..training.modes import lora_targets, matched_lora_rank, prepare_for_mode, with_lora
     from ..training.params import count_knock_parameters
 
-    start = time.perf_counter()
-    output = Path(output)
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise KHAError(f"{output} already exists; pass --overwrite to reuse it")
-    output.mkdir(parents=True, exist_ok=True)
-    base = str(model or smollm2_gguf())
     tasks = SUITES["quick"]
     print(f"kha demo on {base}")
 
     print(f"\n[1/5] convert to KHA ({knock}) and verify exact parity")
-    converted = convert(
-        base, output / "kha", knock=knock, verify=True, overwrite=(output / "kha").exists(), progress=True
-    ).output
+    converted = convert(base, output / "kha", knock=knock, verify=True, progress=True).output
 
     tokenizer = load_tokenizer(converted)
     train_set, heldout_set = train_heldout_split(read_documents(None), tokenizer, SEQ_LEN, max_heldout_blocks=32)
@@ -115,8 +124,8 @@ def run_demo(
     summary = {
         "model": base,
         "knock": knock,
-        "converted": str(converted),
-        "trained": str(output / "kha-trained"),
+        "converted": str(final / "kha"),
+        "trained": str(final / "kha-trained"),
         "train_steps": train_steps,
         "training_tokens": tokens,
         "parameters": {"kha-knocks": n_knocks, "lora": n_lora, "lora_rank": rank, "lora_targets": targets},
@@ -126,14 +135,10 @@ def run_demo(
     }
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n" + table)
-    print(f"done in {summary['minutes']:.1f} min. Results in {output}/:")
+    print(f"done in {summary['minutes']:.1f} min. Results in {final}/:")
     print(f"  comparison.md  the tables above\n  {plot.name}     what the knocks learned")
     print("  kha/           the converted checkpoint (identical outputs to the base)")
     print("  kha-trained/   after knock training (loads with trust_remote_code=True)")
-    print(f"disk used: {_disk_usage(output) / 2**20:,.0f} MiB")
-    print("\nnext, offline, on these outputs:")
-    for command in next_steps(base, output):
-        print(f"  {command}")
     return summary
 
 
@@ -141,7 +146,7 @@ def next_steps(base: str, output: Path) -> list[str]:
     """Three commands a user can run right now, offline, with the demo's real paths."""
     out = output.absolute()
     return [
-        f"kha inspect {out}/kha-trained --plot {out}/knocks-all-layers.png   # every knock, layer by layer",
+        f"kha inspect {out}/kha-trained --plot {out}/knocks-all-layers.png --max-layers 0   # every knocked layer",
         f"kha eval --baseline {base} --candidate {out}/kha-trained --tasks hellaswag,arc_challenge --limit 200 "
         f"--output {out}/eval-more   # more tasks, paired statistics",
         f"kha convert {base} {out}/kha-linear --knock linear_v && kha fold {out}/kha-linear {out}/folded   "

@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM
 from kha_hf import KHAForCausalLM
 from kha_hf.cli import main
 from kha_hf.common.errors import KHAError
+from kha_hf.common.output import PARTIAL_MARKER, remove_stale_partials
 from kha_hf.conversion import convert
 from kha_hf.conversion.converter import KNOCKS_FILE
-from kha_hf.conversion.output import PARTIAL_MARKER, remove_stale_partials
 from tests.conversion.test_convert import make_checkpoint, sha256_tree
 from tests.helpers import tiny_base_model
 
@@ -101,7 +101,7 @@ def test_overwrite_replaces_a_checkpoint_only_after_the_new_one_is_complete(src,
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(convert_module, "_write_cast_shard", broken)
-    with pytest.raises(OSError):
+    with pytest.raises(KHAError, match="no space left on the device"):
         convert(src, dst, overwrite=True, dtype="float16", progress=False)
     assert (dst / "marker").read_text() == "old", "the old DST must survive a failed overwrite"
     monkeypatch.undo()

@@ -1,8 +1,10 @@
 """Where the tools may read and write: destination checks, confined file names, free space.
 
 A tool that rewrites other people's multi-GB checkpoints must never delete or overwrite what it was not asked to:
-- DST may not be SRC, hold SRC, be the working directory, the home directory or a filesystem root;
-- `--overwrite` replaces only a folder that looks like a checkpoint (it has a config.json);
+- DST may not be SRC, hold SRC, be the working directory, the home directory or a filesystem root, and may not lie
+  inside a data folder the tool reads (a later run would read its own output as data);
+- `--overwrite` replaces only a folder that a tool wrote: a checkpoint (config.json), a training run
+  (checkpoint-N/ folders) or a kha results folder (its `.kha-output` marker);
 - every file name read from a checkpoint (index shard names) is a plain name inside its folder;
 - the space a copy needs is checked before anything is written.
 """
@@ -13,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..common.errors import KHAError
+from .errors import KHAError
 
 
 def _real(path: Path) -> Path:
@@ -24,8 +26,14 @@ def _is_within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def check_destination(dst: str | Path, sources: list[Path], overwrite: bool) -> Path:
-    """The absolute DST, or KHAError when writing (or replacing) it could harm files the user did not name."""
+OUTPUT_MARKER = ".kha-output"  # in every results folder of kha ab / demo / eval: what --overwrite may replace
+
+
+def check_destination(dst: str | Path, sources: list[Path], overwrite: bool, data_folders: list[Path] = ()) -> Path:
+    """The absolute DST, or KHAError when writing (or replacing) it could harm files the user did not name.
+
+    SOURCES are read (DST may not be one or hold one); DATA_FOLDERS are read recursively (DST may not lie in one).
+    """
     dst = Path(dst).expanduser().absolute()
     real = _real(dst)
     protected = {
@@ -41,6 +49,12 @@ def check_destination(dst: str | Path, sources: list[Path], overwrite: bool) -> 
             raise KHAError(f"the destination {dst} is the source; name a new folder")
         if _is_within(src_real, real):
             raise KHAError(f"the destination {dst} contains the source {src}; name a folder outside it")
+    for folder in data_folders:
+        if _is_within(real, _real(folder)):
+            raise KHAError(
+                f"the destination {dst} is inside the data folder {folder}: a later run would read it as training "
+                "data; name a folder outside it"
+            )
     if dst.exists() or dst.is_symlink():
         if not overwrite:
             raise KHAError(f"{dst} already exists; pass --overwrite to replace it")
@@ -48,15 +62,32 @@ def check_destination(dst: str | Path, sources: list[Path], overwrite: bool) -> 
     return dst
 
 
+def check_run_destination(dst: str | Path, models: list, data: list | None, overwrite: bool) -> Path:
+    """`check_destination` for a tool that reads MODELS (paths or Hub ids; None is skipped) and DATA (files or
+    folders; DST may lie in neither)."""
+    data_paths = [Path(str(d)).expanduser() for d in data or []]
+    model_paths = [Path(str(m)).expanduser() for m in models if m is not None]
+    sources = [path for path in (*model_paths, *data_paths) if path.exists()]
+    return check_destination(dst, sources, overwrite, [path for path in data_paths if path.is_dir()])
+
+
+def is_training_run(folder: Path) -> bool:
+    """True for a folder holding transformers Trainer checkpoints (checkpoint-N/trainer_state.json)."""
+    return any(path.is_file() for path in folder.glob("checkpoint-*/trainer_state.json"))
+
+
 def check_replaceable(dst: Path) -> None:
-    """`--overwrite` removes only folders that look like checkpoints this tool or transformers wrote."""
+    """`--overwrite` removes only folders this tool or transformers wrote: a checkpoint, a training run or a kha
+    results folder; and only folders it can remove completely."""
     if dst.is_symlink() or not dst.is_dir():
         raise KHAError(f"{dst} exists and is not a folder; --overwrite replaces checkpoint folders only")
-    if not (dst / "config.json").is_file():
+    if not ((dst / "config.json").is_file() or (dst / OUTPUT_MARKER).is_file() or is_training_run(dst)):
         raise KHAError(
-            f"{dst} exists and has no config.json, so it does not look like a checkpoint folder; "
-            "--overwrite will not remove it: delete it yourself or name another folder"
+            f"{dst} exists and has no config.json, checkpoints or kha results, so it does not look like a folder kha "
+            "wrote; --overwrite will not remove it: delete it yourself or name another folder"
         )
+    if not os.access(dst, os.W_OK | os.X_OK) or not os.access(dst.parent, os.W_OK | os.X_OK):
+        raise KHAError(f"{dst} cannot be replaced: no permission to remove it (or to write in {dst.parent})")
 
 
 def member_path(folder: Path, name: str, what: str = "file") -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..common.errors import KHAError
+from .errors import KHAError
 from .paths import member_path
 
 SAFETENSORS_DTYPES = {

@@ -7,17 +7,18 @@ import ctypes
 import errno
 import functools
 import glob
+import json
 import os
 import shutil
 import signal
 import socket
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..common.errors import KHAError
-from .paths import check_replaceable
+from .errors import KHAError
+from .paths import OUTPUT_MARKER, check_replaceable
 
 # Files that describe weights or the model itself: each tool writes its own; everything else is carried over.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".onnx", ".ckpt")
@@ -27,16 +28,28 @@ NOT_CARRIED = {"config.json", "README.md", ".gitattributes", "model.safetensors.
 PARTIAL_MARKER = ".kha-partial"  # inside each temporary folder: who owns it (host and process id)
 
 
+RESUMABLE = "resumable"  # the marker's second line in a kept training folder: `kha train --resume` adopts it
+
+
 @contextlib.contextmanager
-def atomic_output_dir(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def atomic_output_dir(
+    dst: str | Path,
+    overwrite: bool = False,
+    keep_on_failure: Callable[[Path], bool] | None = None,
+    adopt: Path | None = None,
+    marker: str | None = None,
+) -> Iterator[Path]:
     """Yield an empty temporary folder beside DST; on success it becomes DST, on any failure it is removed.
 
     - The existence check is atomic with the final rename (Linux `renameat2`): a DST that appears while we work
       (another run, another program) is never replaced without `overwrite`; that run fails instead.
     - With `overwrite`, the new folder is swapped in atomically and the old one removed only then, and only if it
-      looks like a checkpoint folder (config.json).
+      looks like a folder kha or transformers wrote (`paths.check_replaceable`).
     - SIGINT, SIGTERM and SIGHUP remove the temporary folder. After SIGKILL or a power cut, DST is absent or as
       it was, and the next run removes the `.NAME.*.partial` folder it finds whose owning process is gone.
+    - `keep_on_failure(tmp)` true (a training run with checkpoints): the folder is kept, marked resumable, for
+      `adopt` by a later run, which continues in it instead of a new one.
+    - `marker`: the command name written to `.kha-output` in a results folder, so --overwrite may replace it later.
 
     Callers check the destination first (`paths.check_destination`); this re-checks at the rename.
     """
@@ -46,8 +59,10 @@ def atomic_output_dir(dst: str | Path, overwrite: bool = False) -> Iterator[Path
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(dst)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+        tmp = adopt or Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
         (tmp / PARTIAL_MARKER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+        if marker:
+            (tmp / OUTPUT_MARKER).write_text(json.dumps({"command": f"kha {marker}"}) + "\n")
     except OSError as err:
         raise KHAError(f"cannot write next to {dst}: {err.strerror or err}") from err
     try:
@@ -56,9 +71,46 @@ def atomic_output_dir(dst: str | Path, overwrite: bool = False) -> Iterator[Path
             (tmp / PARTIAL_MARKER).unlink()
             _apply_umask(tmp)
             _move_into_place(tmp, dst, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as err:
+        if keep_on_failure is not None and keep_on_failure(tmp):
+            (tmp / PARTIAL_MARKER).write_text(f"{socket.gethostname()} {os.getpid()}\n{RESUMABLE}\n")
+            print(f"the unfinished run is kept in {tmp}: continue it with --resume, or delete that folder")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _is_disk_full(err):  # name the folder being written, not whichever file the failing call read
+            raise KHAError(
+                f"no space left on the device of {dst.parent} while writing {dst.name}; nothing was put in place"
+            ) from err
         raise
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    """ENOSPC from Python, or from safetensors (whose SafetensorError is no OSError)."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return type(err).__name__ == "SafetensorError" and "No space left" in str(err)
+
+
+def resumable_partials(dst: Path) -> list[Path]:
+    """Kept folders of interrupted runs for DST (newest first), whose owning process is gone."""
+    dst = Path(dst).expanduser().absolute()
+    found = []
+    for folder in dst.parent.glob(f".{glob.escape(dst.name)}.*.partial"):
+        owner = _marker_owner(folder)
+        if owner is not None and owner[2] and not owner[1]:
+            found.append(folder)
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def _marker_owner(folder: Path) -> tuple[str, bool, bool] | None:
+    """(host, alive, resumable) from a partial folder's marker; None when it is not ours."""
+    try:
+        lines = (folder / PARTIAL_MARKER).read_text().splitlines()
+        owner_host, pid = lines[0].split()
+        alive = owner_host != socket.gethostname() or _process_exists(int(pid))
+    except (OSError, ValueError, IndexError):
+        return None
+    return owner_host, alive, lines[1:] == [RESUMABLE]
 
 
 def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
@@ -75,16 +127,14 @@ def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
 
 
 def remove_stale_partials(dst: Path) -> list[Path]:
-    """Remove `.DST.*.partial` siblings left by runs of this tool on this host whose process no longer exists."""
+    """Remove `.DST.*.partial` siblings left by runs of this tool on this host whose process no longer exists
+    (except those kept for `--resume`)."""
     removed = []
-    host = socket.gethostname()
     for folder in dst.parent.glob(f".{glob.escape(dst.name)}.*.partial"):
-        try:
-            owner_host, pid = (folder / PARTIAL_MARKER).read_text().split()
-            alive = owner_host != host or _process_exists(int(pid))
-        except (OSError, ValueError):
-            continue  # not ours (no marker): leave it
-        if not alive:
+        owner = _marker_owner(folder)
+        if owner is None or owner[2]:
+            continue  # not ours (no marker), or kept on purpose for --resume: leave it
+        if not owner[1]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
