@@ -17,6 +17,7 @@ from common import PRESETS, header, interleaved_medians, qwen3_config, ratio_tab
 from transformers import DynamicCache
 
 from kha_hf.conversion.fold import fold_projection
+from kha_hf.modeling.families import STANDARD, segment_rows
 
 
 def folded_copy(kha_linear, base_cls):
@@ -29,7 +30,8 @@ def folded_copy(kha_linear, base_cls):
             knock = getattr(attn, f"{target}_knock")
             if knock is not None:
                 key = f"model.layers.{i}.self_attn.{target}_proj.weight"
-                state[key] = fold_projection(state[key], knock.weight.detach(), attn.head_dim)
+                rows = segment_rows(kha_linear.config, STANDARD[f"{target}_proj"], target)
+                state[key] = fold_projection(state[key], knock.weight.detach(), rows)
     base.load_state_dict(state)
     return base
 

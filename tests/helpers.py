@@ -19,6 +19,7 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 COMMON = dict(
     vocab_size=128,
@@ -60,7 +61,85 @@ def tiny_configs() -> dict[str, PreTrainedConfig]:
     }
 
 
-FAMILIES = sorted(tiny_configs())
+FAMILIES = sorted(tiny_configs())  # the six core families (seven variants): the tests of every part run on them
+
+SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
+# Every other family of the table (kha_hf/modeling/families.py), each with its peculiarity switched on.
+OTHER_FAMILIES: dict[str, dict] = {
+    "ministral": dict(head_dim=16, sliding_window=5, layer_types=SLIDING),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    ),
+    "qwen3_next": dict(  # hybrid: layers 0 and 2 are linear attention (no knocks), layer 1 softmax attention
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    ),
+    "gemma2": dict(  # soft-capping of attention and logits, pre-attention scalar, sliding window
+        head_dim=16,
+        attn_logit_softcapping=30.0,
+        final_logit_softcapping=20.0,
+        query_pre_attn_scalar=24,
+        sliding_window=5,
+    ),
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=5, layer_types=SLIDING),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),  # fused qkv_proj
+    "olmo2": dict(pad_token_id=0, eos_token_id=2),  # q/k RMSNorm over the full width, TP colwise_gather_output
+    "olmo3": dict(pad_token_id=0, eos_token_id=2, sliding_window=5, layer_types=SLIDING),
+    "gpt_oss": dict(  # attention sinks, biases, MoE
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=5,
+        layer_types=SLIDING,
+        attention_bias=True,
+    ),
+    "deepseek_v3": dict(  # MLA with q-LoRA: knocks on q_b_proj's and kv_b_proj's per-head segments
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        num_key_value_heads=4,
+    ),
+    "smollm3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, no_rope_layers=[1, 0, 1]),  # NoPE layer 1
+    "granite": dict(  # attention multiplier instead of 1/sqrt(d), residual and logit scaling
+        attention_multiplier=0.3,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        logits_scaling=4.0,
+        attention_bias=True,
+    ),
+    "glm4": dict(pad_token_id=0, eos_token_id=2, head_dim=16, partial_rotary_factor=0.5, attention_bias=True),
+    "cohere2": dict(
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=5, layer_types=SLIDING, logit_scale=0.5
+    ),  # RoPE only in sliding layers
+    "exaone4": dict(head_dim=16, sliding_window=5, layer_types=SLIDING),  # q/k norm after the head split, NoPE
+    "seed_oss": dict(head_dim=16, attention_bias=True),
+    "hunyuan_v1_dense": dict(head_dim=16),  # q/k norm after RoPE
+}
+ALL_FAMILIES = FAMILIES + sorted(OTHER_FAMILIES)
+MLA_FAMILIES = {"deepseek_v3"}
+
+
+def tiny_config(name: str) -> PreTrainedConfig:
+    """A fresh tiny config of family (or variant) NAME: one of ALL_FAMILIES."""
+    if name in OTHER_FAMILIES:
+        return CONFIG_MAPPING[name](**{**COMMON, **OTHER_FAMILIES[name]})
+    return copy.deepcopy(tiny_configs()[name])
 
 
 def tiny_base_model(name: str, attn_implementation: str = "eager", seed: int = 0):
@@ -70,14 +149,16 @@ def tiny_base_model(name: str, attn_implementation: str = "eager", seed: int = 0
     before the bias add, or a fold that ignores the bias, computes the same numbers and no test would notice.
     """
     torch.manual_seed(seed)
-    config = copy.deepcopy(tiny_configs()[name])
+    config = tiny_config(name)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
     gen = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param_name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-            elif param_name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif param_name.endswith(
+                ("q_norm.weight", "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight")
+            ):
                 param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
     return model
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..modeling.configuration_kha import KHAConfig, base_config_class
+from ..modeling.families import FAMILIES, family_spec, projection_features
 from .errors import KHAError
 from .loading import read_config_dict
 from .safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index
@@ -29,6 +31,7 @@ SIZE_FIELDS = (
     "max_position_embeddings",
 )
 _LAYER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
+_PROJECTION = re.compile(r"^(?:.*\.)?layers\.\d+\.self_attn\.(\w+)\.weight$")
 
 
 def check_config_numbers(config: dict, where: str) -> None:
@@ -69,6 +72,22 @@ def check_weights_match_config(config: dict, tensors: dict[str, TensorInfo], whe
             raise KHAError(f"{where}: config.json says hidden_size {hidden}, the embedding is {width} wide")
 
 
+def check_attention_layout(config, tensors: dict[str, TensorInfo], where: str) -> None:
+    """Every attention projection in the weights has the output size the family's KHA layout gives it (CONFIG: a
+    KHA or base config object): the knocks split those outputs into heads, so a mismatch must stop here."""
+    model_type = config.base_model_type if config.model_type == "kha" else config.model_type
+    layout = family_spec(model_type).layout
+    for name, info in tensors.items():
+        match = _PROJECTION.match(name)
+        if match and match.group(1) in layout:
+            expected = projection_features(config, layout[match.group(1)])
+            if info.shape[:1] != (expected,):
+                raise KHAError(
+                    f"{where}: {name} has shape {list(info.shape)}; the config's head counts and sizes give "
+                    f"{expected} output features"
+                )
+
+
 def check_checkpoint_against_config(folder: Path) -> None:
     """One-line KHAError when FOLDER's config.json cannot describe its safetensors weights."""
     config = read_config_dict(folder)
@@ -76,5 +95,17 @@ def check_checkpoint_against_config(folder: Path) -> None:
         raise KHAError(f"{folder} has no readable config.json: not a transformers checkpoint folder")
     where = str(folder / "config.json")
     check_config_numbers(config, where)
-    if (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file():
-        check_weights_match_config(config, read_checkpoint_index(folder), where)
+    if not ((folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()):
+        return
+    tensors = read_checkpoint_index(folder)
+    check_weights_match_config(config, tensors, where)
+    is_kha = config.get("model_type") == "kha"
+    model_type = config.get("base_model_type") if is_kha else config.get("model_type")
+    if model_type not in FAMILIES:
+        return  # another architecture: transformers (or its remote code) checks its own
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        built = KHAConfig(**fields) if is_kha else base_config_class(model_type)(**fields)
+    except Exception as err:  # the family's config class rejects what it cannot use, in its own words
+        raise KHAError(f"{where}: {str(err).strip().splitlines()[0]}") from err
+    check_attention_layout(built, tensors, where)

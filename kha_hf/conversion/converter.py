@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..common.checks import check_config_numbers
+from ..common.checks import check_attention_layout, check_config_numbers, check_weights_match_config
 from ..common.errors import KHAError
 from ..common.model_card import SourceCard, kha_card, read_source_card
 from ..common.model_code import copy_model_code
@@ -27,14 +27,10 @@ from ..common.output import atomic_output_dir, carry_over_files, place_file, rep
 from ..common.paths import check_destination, check_free_space
 from ..common.safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index, shard_files
 from ..common.version import __version__
-from ..modeling.configuration_kha import (
-    BASE_CONFIG_CLASSES,
-    SUPPORTED_BASE_MODEL_TYPES,
-    KHAConfig,
-    resolve_knock_preset,
-)
+from ..modeling.configuration_kha import KHAConfig, base_config_class, resolve_knock_preset
+from ..modeling.families import family_spec
 from ..modeling.modeling_kha import KNOCKS_FILE
-from .knock_tensors import initial_knock_tensors, layer_prefix, projection_key
+from .knock_tensors import initial_knock_tensors, layer_prefix
 from .source import Source, dequantize_gguf, read_config, resolve_source
 
 CONVERTED = (
@@ -119,32 +115,29 @@ def check_base_config(base_config: dict, folder: Path) -> None:
     model_type = base_config.get("model_type")
     if model_type == KHAConfig.model_type:
         raise KHAError(f"{folder} is already a KHA checkpoint (model_type 'kha')")
-    if model_type not in BASE_CONFIG_CLASSES:
-        raise KHAError(
-            f"unsupported architecture {model_type!r} in {folder}; "
-            f"kha supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
-        )
+    try:
+        base_config_class(model_type)
+    except ValueError as err:
+        raise KHAError(f"{folder}: {err}") from err
     missing = [name for name in REQUIRED_FIELDS if name not in base_config]
     if missing:
         raise KHAError(f"{folder / 'config.json'} lacks required fields: {', '.join(missing)}")
     check_config_numbers(base_config, str(folder / "config.json"))
 
 
-def check_layout(config: KHAConfig, tensors: dict[str, TensorInfo], prefix: str) -> None:
-    """The weights must match the config: layer count and q/k/v projection shapes."""
-    layers = {int(k[len(prefix) :].split(".")[1]) for k in tensors if k.startswith(f"{prefix}layers.")}
-    if len(layers) != config.num_hidden_layers:
-        raise KHAError(f"config says {config.num_hidden_layers} layers, the weights hold {len(layers)}")
-    d, heads, kv_heads = config.kha_head_dim, config.num_attention_heads, config.num_key_value_heads
-    for target, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
-        key = projection_key(prefix, 0, target)
-        if key not in tensors:
-            raise KHAError(f"no {key} tensor: kha needs separate q/k/v projections")
-        shape = tensors[key].shape
-        if shape != (n * d, config.hidden_size):
-            raise KHAError(
-                f"{target}_proj weight has shape {list(shape)}, config implies {[n * d, config.hidden_size]}"
-            )
+def check_layout(config: KHAConfig, base_config: dict, tensors: dict[str, TensorInfo], folder: Path) -> None:
+    """The weights must match the config: layer count, vocabulary and the attention projections' sizes; a model
+    type that is not in the family table must also be buildable (its attention code follows a known layout)."""
+    where = str(folder / "config.json")
+    check_weights_match_config(base_config, tensors, where)
+    check_attention_layout(config, tensors, where)
+    if not family_spec(config.base_model_type).verified:
+        from ..modeling.modeling_kha import family_classes
+
+        try:
+            family_classes(config.base_model_type)
+        except ValueError as err:
+            raise KHAError(str(err)) from err
 
 
 def _convert_folder(
@@ -165,10 +158,10 @@ def _convert_folder(
         raise KHAError(f"invalid {source.folder / 'config.json'}: {err}") from err
     tensors = read_checkpoint_index(source.folder)
     try:
-        prefix = layer_prefix(tensors)
+        prefix = layer_prefix(tensors, config.base_model_type)
     except ValueError as err:
         raise KHAError(f"{source.folder}: {err}") from err
-    check_layout(config, tensors, prefix)
+    check_layout(config, base_config, tensors, source.folder)
 
     floats = Counter(info.dtype for info in tensors.values() if info.dtype.is_floating_point)
     source_dtype = floats.most_common(1)[0][0] if floats else torch.float32

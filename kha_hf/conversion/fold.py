@@ -2,7 +2,10 @@
 
 A linear knock follows its projection directly (before q/k norm and RoPE), so per head h
 `(W_h x + b_h) T = (Tᵀ W_h) x + Tᵀ b_h`. With the nn.Linear convention `knock.weight = Tᵀ`, hence
-`W_h' = knock.weight @ W_h` and `b_h' = knock.weight @ b_h`, computed in float64 and cast back.
+`W_h' = knock.weight @ W_h` and `b_h' = knock.weight @ b_h`, computed in float64 and cast back. W_h are the rows
+of the projection that the family layout gives the knock's target in head h: a plain q/k/v_proj's head slices,
+Phi-3's q, k and v blocks of qkv_proj, MLA's no-RoPE rows of q_b_proj and the k / v rows of kv_b_proj (so MLA's
+latent projections absorb the knocks, and absorbed inference stays exact).
 Shards without projections of knocked layers are copied byte for byte; memory is one shard plus the knocks.
 """
 
@@ -25,6 +28,7 @@ from ..common.output import atomic_output_dir, carry_over_files, place_file, rep
 from ..common.paths import check_destination, check_free_space
 from ..common.safetensors_index import INDEX_FILE, read_checkpoint_index, shard_files
 from ..modeling.configuration_kha import KHAConfig
+from ..modeling.families import family_spec, segment_rows
 from .knock_reader import check_finite, check_knock_tensors, knock_keys, read_kha_config, read_knocks
 from .knock_tensors import KNOCK_KEY, knock_key, layer_prefix, projection_key
 
@@ -36,12 +40,15 @@ class FoldResult:
     kept_kha: bool  # True for a partial fold (the output is still a KHA model with an MLP value knock)
 
 
-def fold_projection(weight: torch.Tensor, knock: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """W (n·d, in) or b (n·d,) -> per head `knock @ W_h`, in float64, cast back to W's dtype."""
-    shape = weight.shape
-    heads = weight.reshape(-1, head_dim, *shape[1:]).double()  # (n, d, in) or (n, d)
+def fold_projection(weight: torch.Tensor, knock: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """W (out, in) or b (out,) -> `knock @ W[rows]` for each head's rows of the knock's target (each d rows), in
+    float64, cast back to W's dtype; the other rows are left as they are."""
+    index = torch.cat([torch.arange(start, stop) for start, stop in rows])
+    heads = weight[index].reshape(len(rows), -1, *weight.shape[1:]).double()  # (n, d, in) or (n, d)
     folded = torch.einsum("ij,nj...->ni...", knock.double(), heads)
-    return folded.reshape(shape).to(weight.dtype)
+    out = weight.clone()
+    out[index] = folded.reshape(-1, *weight.shape[1:]).to(weight.dtype)
+    return out
 
 
 def fold(
@@ -74,20 +81,27 @@ def fold(
         if not linear:
             raise KHAError("nothing to fold: this model has no linear knocks (only the value MLP)")
     tensors = read_checkpoint_index(kha_dir)
-    prefix = layer_prefix(tensors)
+    try:
+        prefix = layer_prefix(tensors, config.base_model_type)
+    except ValueError as err:
+        raise KHAError(f"{kha_dir}: {err}") from err
     check_knock_tensors(config, tensors, prefix, kha_dir)
     knocks = read_knocks(kha_dir, tensors)
     check_finite(knocks, kha_dir)
-    head_dim = config.kha_head_dim
-    # (projection tensor name) -> the knock matrix to apply
-    plan: dict[str, torch.Tensor] = {}
+    layout = family_spec(config.base_model_type).layout
+    # projection tensor name -> [(knock matrix, rows it applies to), ...]
+    plan: dict[str, list[tuple[torch.Tensor, list[tuple[int, int]]]]] = {}
     for layer in config.knocked_layers:
-        for target in linear:
-            knock = knocks[knock_key(prefix, layer, target, "weight")]
-            for part in ("weight", "bias"):
-                name = projection_key(prefix, layer, target, part)
-                if name in tensors:
-                    plan[name] = knock
+        for projection, blocks in layout.items():
+            for target in linear:
+                rows = segment_rows(config, blocks, target)
+                if not rows:
+                    continue
+                knock = knocks[knock_key(prefix, layer, target, "weight")]
+                for part in ("weight", "bias"):
+                    name = projection_key(prefix, layer, projection, part)
+                    if name in tensors:
+                        plan.setdefault(name, []).append((knock, rows))
     folded_knocks = [k for k in knock_keys(tensors) if KNOCK_KEY.match(k).group("target") in linear]
     dropped = set(folded_knocks)
 
@@ -107,7 +121,9 @@ def fold(
                     new = {}
                     for name in kept:
                         tensor = f.get_tensor(name)
-                        new[name] = fold_projection(tensor, plan[name], head_dim) if name in plan else tensor
+                        for knock, rows in plan.get(name, ()):
+                            tensor = fold_projection(tensor, knock, rows)
+                        new[name] = tensor
                 save_file(new, tmp / file, metadata=metadata)
             weight_map.update(dict.fromkeys(kept, file))
         report_placement(placed)

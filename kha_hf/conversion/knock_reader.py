@@ -41,8 +41,8 @@ def check_knock_tensors(config: KHAConfig, tensors: dict[str, TensorInfo], prefi
             f"{folder}: knock tensor {extra[0]} is not described by config.json (knocks {config.knock_q}/"
             f"{config.knock_k}/{config.knock_v} on layers {_layers(config)}); {len(extra)} such tensors"
         )
-    d = config.kha_head_dim
     for name in sorted(found):
+        d = expected[name][1]
         if tensors[name].shape != (d, d):
             raise KHAError(f"{folder}: knock tensor {name} has shape {list(tensors[name].shape)}, expected [{d}, {d}]")
 

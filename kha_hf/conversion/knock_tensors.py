@@ -1,4 +1,4 @@
-"""Knock tensor names and their initial values, from one per-layer template.
+"""Knock tensor names and their initial values, from one per-layer template; projection names from the family layout.
 
 Keys sit next to the projections they follow, e.g. `model.layers.3.self_attn.v_knock.up.weight`, so a KHA
 checkpoint is its base checkpoint plus these tensors.
@@ -11,6 +11,7 @@ import re
 import torch
 
 from ..modeling.configuration_kha import KHAConfig
+from ..modeling.families import family_spec
 
 # knock type -> (parameter path inside the knock module, initial value)
 KNOCK_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -18,8 +19,8 @@ KNOCK_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
     "mlp": (("up.weight", "identity"), ("gate.weight", "zeros"), ("down.weight", "identity")),
 }
 TARGETS = ("q", "k", "v")
-_PROJ_KEY = re.compile(r"^(.*)layers\.0\.self_attn\.q_proj\.weight$")
 KNOCK_KEY = re.compile(r"^(?P<prefix>.*)layers\.(?P<layer>\d+)\.self_attn\.(?P<target>[qkv])_knock\.(?P<part>.+)$")
+_PROJECTION_KEY = re.compile(r"^(?P<prefix>.*)layers\.\d+\.self_attn\.(?P<projection>\w+)\.weight$")
 
 
 def knock_key(prefix: str, layer: int, target: str, part: str) -> str:
@@ -27,32 +28,37 @@ def knock_key(prefix: str, layer: int, target: str, part: str) -> str:
     return f"{prefix}layers.{layer}.self_attn.{target}_knock.{part}"
 
 
-def projection_key(prefix: str, layer: int, target: str, part: str = "weight") -> str:
-    return f"{prefix}layers.{layer}.self_attn.{target}_proj.{part}"
+def projection_key(prefix: str, layer: int, projection: str, part: str = "weight") -> str:
+    """The tensor name of a projection, e.g. `model.layers.0.self_attn.qkv_proj.weight`."""
+    return f"{prefix}layers.{layer}.self_attn.{projection}.{part}"
 
 
-def layer_prefix(tensor_names) -> str:
+def layer_prefix(tensor_names, model_type: str) -> str:
     """The prefix in front of `layers.` in a checkpoint (`model.` for ...ForCausalLM checkpoints)."""
+    projections = set(family_spec(model_type).layout)
     for name in tensor_names:
-        match = _PROJ_KEY.match(name)
-        if match:
-            return match.group(1)
-    raise ValueError("no `layers.0.self_attn.q_proj.weight` tensor: not a Llama/Mistral/Qwen-style checkpoint")
+        match = _PROJECTION_KEY.match(name)
+        if match and match.group("projection") in projections:
+            return match.group("prefix")
+    raise ValueError(
+        f"no `layers.N.self_attn.{{{', '.join(sorted(projections))}}}.weight` tensor: the weights do not follow the "
+        f"{model_type} attention layout"
+    )
 
 
-def knock_specs(config: KHAConfig, prefix: str = "model.") -> dict[str, str]:
-    """Knock tensor name -> its initial value ('identity' or 'zeros'), for every knocked layer."""
-    specs: dict[str, str] = {}
+def knock_specs(config: KHAConfig, prefix: str = "model.") -> dict[str, tuple[str, int]]:
+    """Knock tensor name -> (initial value 'identity' or 'zeros', matrix size), for every knocked layer."""
+    dims = config.knock_dims
+    specs: dict[str, tuple[str, int]] = {}
     for layer in config.knocked_layers:
         for target in TARGETS:
             kind = getattr(config, f"knock_{target}")
             for part, start in KNOCK_PARTS.get(kind, ()):
-                specs[knock_key(prefix, layer, target, part)] = start
+                specs[knock_key(prefix, layer, target, part)] = (start, dims[target])
     return specs
 
 
 def initial_knock_tensors(config: KHAConfig, dtype: torch.dtype, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """The knock tensors of a freshly converted model: exact identities (and zeros for MLP gates)."""
-    d = config.kha_head_dim
-    make = {"identity": lambda: torch.eye(d, dtype=dtype), "zeros": lambda: torch.zeros(d, d, dtype=dtype)}
-    return {name: make[start]() for name, start in knock_specs(config, prefix).items()}
+    make = {"identity": torch.eye, "zeros": lambda d, dtype: torch.zeros(d, d, dtype=dtype)}
+    return {name: make[start](d, dtype=dtype) for name, (start, d) in knock_specs(config, prefix).items()}

@@ -2,9 +2,11 @@
 
 Reference: Zhou et al., "Knocking-Heads Attention", arXiv 2510.23052.
 
-One config class serves every supported base family. It records the family in `base_model_type` and carries
+One config class serves every base family (`families.py`). It records the family in `base_model_type` and carries
 all of that family's fields as attributes; the family's own config class validates them and fills its defaults
-(head_dim, layer_types, rope parameters, ...), so a KHA config never disagrees with its base.
+(head_dim, layer_types, rope parameters, ...), so a KHA config never disagrees with its base. The family's
+attribute aliases (e.g. Mixtral's `num_experts` -> `num_local_experts`) hold per instance: families alias the same
+names differently (DeepSeek-V3 maps `num_local_experts` on to `n_routed_experts`).
 
 This file is copied next to saved checkpoints (remote code): it may import only transformers/torch and siblings.
 """
@@ -14,26 +16,36 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from transformers import (
-    LlamaConfig,
-    MistralConfig,
-    MixtralConfig,
-    PreTrainedConfig,
-    Qwen2Config,
-    Qwen3Config,
-    Qwen3MoeConfig,
+from transformers import PreTrainedConfig
+
+from .families import (
+    FAMILIES,
+    SUPPORTED_BASE_MODEL_TYPES,
+    attention_layers,
+    family_spec,
+    knock_dims,
 )
 
-# model_type -> the stock transformers config class of each supported base family
-BASE_CONFIG_CLASSES: dict[str, type[PreTrainedConfig]] = {
-    "llama": LlamaConfig,
-    "mistral": MistralConfig,
-    "qwen2": Qwen2Config,
-    "qwen3": Qwen3Config,
-    "qwen3_moe": Qwen3MoeConfig,
-    "mixtral": MixtralConfig,
-}
-SUPPORTED_BASE_MODEL_TYPES = tuple(BASE_CONFIG_CLASSES)
+
+def base_config_class(model_type: str | None) -> type[PreTrainedConfig]:
+    """transformers' config class of a base family; ValueError naming the supported ones otherwise."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in FAMILIES:
+        return CONFIG_MAPPING[model_type]
+    if model_type in CONFIG_MAPPING and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        # A family the table does not list is tried with the standard layout: it must at least name its sizes as
+        # the standard families do (its attention code is checked when a model is built: modeling_kha).
+        family = CONFIG_MAPPING[model_type]
+        names = {f.name for f in dataclasses.fields(family)} if dataclasses.is_dataclass(family) else set()
+        if {"hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads"} <= names:
+            return family
+    hint = " (use its text model, model_type 'gemma3_text')" if model_type == "gemma3" else ""
+    raise ValueError(
+        f"unsupported base model type {model_type!r}{hint}; KHA supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
+    )
+
 
 KNOCK_TYPES: dict[str, tuple[str, ...]] = {
     "q": ("none", "linear"),
@@ -67,16 +79,6 @@ AUTO_MAP = {
 }
 
 
-def _attribute_map_union() -> dict[str, str]:
-    """Aliases of all supported families (e.g. Mixtral/Qwen3-MoE `num_experts` -> `num_local_experts`)."""
-    union: dict[str, str] = {}
-    for cls in BASE_CONFIG_CLASSES.values():
-        for alias, target in cls.attribute_map.items():
-            if union.setdefault(alias, target) != target:
-                raise RuntimeError(f"conflicting config alias {alias!r} across base families")
-    return union
-
-
 def _public_class_name(name: str) -> str:
     if name.startswith("KHA") and name.endswith("ForCausalLM"):
         return "KHAForCausalLM"
@@ -85,14 +87,38 @@ def _public_class_name(name: str) -> str:
     return name
 
 
-def _knock_tp_plan(config) -> dict[str, str]:
-    """Tensor-parallel style of every knock matrix: replicated, gradients all-reduced."""
+# Tensor parallelism: the knock of a projection split by heads ("colwise": each rank holds whole heads and sees only
+# their features) gets gradients from a part of the heads on each rank, summed across ranks (as Qwen3's q/k norms
+# are); the knock of a projection whose output is gathered ("colwise_gather_output": every rank sees every head)
+# already has the whole gradient on each rank, and summing would multiply it by the number of ranks.
+KNOCK_TP_STYLE = {
+    "colwise": "replicated_with_grad_allreduce",
+    "colwise_gather_output": "replicate",
+    "colwise_rep": "replicate",
+}
+
+
+def _knock_tp_plan(config, family_plan: dict[str, str]) -> dict[str, str]:
+    """Tensor-parallel style of every knock matrix, following the style of the projection it follows."""
     parts = {"linear": [""], "mlp": [".up", ".gate", ".down"], "none": []}
-    return {
-        f"layers.*.self_attn.{target}_knock{part}": "replicated_with_grad_allreduce"
-        for target in ("q", "k", "v")
-        for part in parts[getattr(config, f"knock_{target}")]
-    }
+    layout = family_spec(config.base_model_type).layout
+    plan = {}
+    for projection, blocks in layout.items():
+        style = KNOCK_TP_STYLE.get(family_plan.get(f"layers.*.self_attn.{projection}", ""))
+        targets = {s.target for b in blocks for s in b.segments if s.target is not None}
+        for target in sorted(targets):
+            for part in parts[getattr(config, f"knock_{target}")]:
+                if style is not None:
+                    plan.setdefault(f"layers.*.self_attn.{target}_knock{part}", style)
+    return plan
+
+
+def _is_base_family(model_type: str) -> bool:
+    try:
+        base_config_class(model_type)
+    except ValueError:
+        return False
+    return True
 
 
 def resolve_knock_preset(knock: str) -> tuple[str, str, str]:
@@ -104,7 +130,8 @@ def resolve_knock_preset(knock: str) -> tuple[str, str, str]:
 
 class KHAConfig(PreTrainedConfig):
     r"""
-    Configuration of a KHA model: a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral configuration plus knocks.
+    Configuration of a KHA model: the configuration of a base family (Llama, Qwen, Gemma, Phi-3, OLMo, GPT-OSS,
+    DeepSeek-V3, ...: see `families.FAMILIES`) plus knocks.
 
     Args:
         base_model_type (`str`, defaults to `"llama"`):
@@ -122,7 +149,7 @@ class KHAConfig(PreTrainedConfig):
     """
 
     model_type = "kha"
-    attribute_map: ClassVar[dict[str, str]] = _attribute_map_union()
+    attribute_map: ClassVar[dict[str, str]] = {}  # each instance holds its family's (see __post_init__)
     keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
 
     base_model_type: str = "llama"
@@ -135,18 +162,16 @@ class KHAConfig(PreTrainedConfig):
     use_cache: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:
-        if self.base_model_type not in BASE_CONFIG_CLASSES:
-            raise ValueError(
-                f"unsupported base model type {self.base_model_type!r}; "
-                f"KHA supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
-            )
+        family = base_config_class(self.base_model_type)
+        # The family's aliases, for this instance only (PreTrainedConfig reads `attribute_map` through the instance)
+        object.__setattr__(self, "attribute_map", dict(family.attribute_map))
         preset = kwargs.pop("knock", None)
         if preset is not None:
             self.knock_q, self.knock_k, self.knock_v = resolve_knock_preset(preset)
         # The base family's own class validates the architecture fields (the extra keyword arguments) and fills its
         # defaults; its values become attributes here. Fields of this dataclass (dtype, knocks, ...) stay as given.
         own_fields = {f.name for f in dataclasses.fields(self)}
-        base = BASE_CONFIG_CLASSES[self.base_model_type](**{k: v for k, v in kwargs.items() if k not in _FILE_KEYS})
+        base = family(**{k: v for k, v in kwargs.items() if k not in _FILE_KEYS})
         base_values = {k: v for k, v in base.to_dict().items() if k not in _FILE_KEYS and k not in own_fields}
         passthrough = {k: v for k, v in kwargs.items() if k in _RUNTIME_KEYS}
         super().__post_init__(**{**base_values, **passthrough})
@@ -155,8 +180,8 @@ class KHAConfig(PreTrainedConfig):
         # Tensor/pipeline parallelism: the family's plans. Knocks are replicated: under a colwise q/k/v split every
         # rank holds whole heads, and a knock acts on each head's features alone. A rank's knock gradient covers
         # only its heads, so it is summed across ranks (as Qwen3's q/k norms are).
-        family = BASE_CONFIG_CLASSES[self.base_model_type]
-        self.base_model_tp_plan = {**(family.base_model_tp_plan or {}), **_knock_tp_plan(self)}
+        family_plan = dict(family.base_model_tp_plan or {})
+        self.base_model_tp_plan = {**family_plan, **_knock_tp_plan(self, family_plan)}
         self.base_model_pp_plan = dict(family.base_model_pp_plan or {})
 
     def _validate_knocks(self) -> None:
@@ -164,6 +189,14 @@ class KHAConfig(PreTrainedConfig):
             value = getattr(self, f"knock_{target}")
             if value not in allowed:
                 raise ValueError(f"knock_{target}={value!r} is not valid; choose one of: {', '.join(allowed)}")
+        spec = family_spec(self.base_model_type)
+        if spec.linear_only and "mlp" in (self.knock_q, self.knock_k, self.knock_v):
+            raise ValueError(
+                f"{self.base_model_type} uses multi-head latent attention (MLA), which takes linear knocks only "
+                "(linear_v, linear_qkv): a linear knock is absorbed into the latent projections, the value MLP is "
+                "not (the paper runs KHA-Linear on MLA)"
+            )
+        knock_dims(self, spec.layout)  # every knocked size is a positive integer
         if self.knock_layers is not None:
             layers = [int(i) for i in self.knock_layers]
             bad = [i for i in layers if not 0 <= i < self.num_hidden_layers]
@@ -172,10 +205,14 @@ class KHAConfig(PreTrainedConfig):
                     f"knock_layers {bad} out of range: the model has {self.num_hidden_layers} layers "
                     f"(valid indices 0..{self.num_hidden_layers - 1})"
                 )
+            without = sorted(set(layers) - set(attention_layers(self)))
+            if without:
+                raise ValueError(f"knock_layers {without} have no softmax attention (their layer_types) to knock")
             self.knock_layers = sorted(set(layers))
 
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
+        output.pop("attribute_map", None)  # the family's aliases: rebuilt from base_model_type
         # save_pretrained records the concrete per-family class (e.g. KHAQwen3ForCausalLM); advertise the public
         # entry points instead, which pick the family from `base_model_type`.
         output["auto_map"] = dict(AUTO_MAP)
@@ -185,6 +222,7 @@ class KHAConfig(PreTrainedConfig):
 
     def to_diff_dict(self) -> dict[str, Any]:
         output = super().to_diff_dict()
+        output.pop("attribute_map", None)
         # Always spell out the family and the knocks, even where they equal the defaults: a reader of config.json
         # (and the converter, fold and inspect tools) should not need to know those defaults.
         for name in KHA_FIELDS:
@@ -194,15 +232,20 @@ class KHAConfig(PreTrainedConfig):
     # -- derived views -------------------------------------------------------------------------------------------
     @property
     def knocked_layers(self) -> list[int]:
-        """Indices of the layers that carry knocks."""
+        """Indices of the layers that carry knocks (only layers with softmax attention, in hybrid models)."""
         if self.knock_layers is None:
-            return list(range(self.num_hidden_layers))
+            return attention_layers(self)
         return list(self.knock_layers)
 
     @property
+    def knock_dims(self) -> dict[str, int]:
+        """target (q / k / v) -> the size of the per-head features its knock acts on (d_h; MLA: its no-RoPE part)."""
+        return knock_dims(self, family_spec(self.base_model_type).layout)
+
+    @property
     def kha_head_dim(self) -> int:
-        """Per-head feature size d_h (Qwen2/Mistral configs may leave head_dim unset)."""
-        return getattr(self, "head_dim", None) or self.hidden_size // self.num_attention_heads
+        """Per-head feature size of the value knock (d_h for every family but MLA); see `knock_dims`."""
+        return self.knock_dims["v"]
 
     @property
     def knock_preset(self) -> str | None:
@@ -213,13 +256,13 @@ class KHAConfig(PreTrainedConfig):
     def to_base_config(self) -> PreTrainedConfig:
         """The equivalent stock config of the base family (knock fields dropped)."""
         fields = {k: v for k, v in self.to_dict().items() if k not in KHA_FIELDS and k not in _FILE_KEYS}
-        return BASE_CONFIG_CLASSES[self.base_model_type](**fields)
+        return base_config_class(self.base_model_type)(**fields)
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path: Any, **kwargs: Any) -> tuple[dict, dict]:
         """As in transformers; a base family's config file becomes a KHA config (`knock=`, `knock_layers=`)."""
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        if config_dict.get("model_type") in BASE_CONFIG_CLASSES:
+        if config_dict.get("model_type") not in (cls.model_type, None) and _is_base_family(config_dict["model_type"]):
             knock = kwargs.pop("knock", DEFAULT_KNOCK)
             knock_layers = kwargs.pop("knock_layers", None)
             config_dict = cls.from_base(config_dict, knock=knock, knock_layers=knock_layers).to_dict()
@@ -241,10 +284,7 @@ class KHAConfig(PreTrainedConfig):
         model_type = base.get("model_type")
         if model_type == cls.model_type:
             raise ValueError("this config is already a KHA config")
-        if model_type not in BASE_CONFIG_CLASSES:
-            raise ValueError(
-                f"unsupported base model type {model_type!r}; KHA supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
-            )
+        base_config_class(model_type)  # ValueError naming the supported families
         unknown = set(knock_types) - {f"knock_{t}" for t in KNOCK_TYPES}
         if unknown:
             raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")

@@ -25,6 +25,10 @@ class KnockLinear(nn.Linear):
         super().__init__(head_dim, head_dim, bias=False, device=device, dtype=dtype)
 
     def reset_parameters(self) -> None:
+        if self.weight.is_meta:
+            # Built without storage (transformers' and vLLM's loaders build on the meta device, then load or
+            # initialise real tensors): nothing to fill, and torch.eye cannot write into a meta tensor.
+            return
         with torch.no_grad():
             if self.start == "identity":
                 nn.init.eye_(self.weight)
@@ -57,10 +61,12 @@ class MLPKnock(nn.Module):
         return self.down(self.up(x) * (2.0 * torch.sigmoid(self.gate(x))))
 
 
-def build_knock(kind: str, head_dim: int) -> nn.Module | None:
-    """'none' -> None, 'linear' -> LinearKnock, 'mlp' -> MLPKnock."""
+def build_knock(kind: str, head_dim: int | None) -> nn.Module | None:
+    """'none' -> None, 'linear' -> LinearKnock, 'mlp' -> MLPKnock, acting on HEAD_DIM features."""
     if kind == "none":
         return None
+    if head_dim is None:
+        raise ValueError(f"a {kind} knock needs the size of the features it acts on")
     if kind == "linear":
         return LinearKnock(head_dim)
     if kind == "mlp":

@@ -1,11 +1,19 @@
-"""KHA models: the stock transformers Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral models with knocks.
+"""KHA models: the stock transformers model of a base family, with knocks in its attention.
 
 Reference: Zhou et al., "Knocking-Heads Attention", arXiv 2510.23052.
 
-Design: each base family gets three thin subclasses of its own transformers classes (attention, body, causal LM).
-Only the attention forward changes (the knock step); everything else is inherited. The public classes `KHAModel`
-and `KHAForCausalLM` pick the family's subclass from `config.base_model_type`, so
-`isinstance(model, KHAForCausalLM)` holds for every family and one `auto_map` entry serves them all.
+What KHA changes, and nothing else: in each knocked layer, the output of every q/k/v projection passes through the
+layer's knocks (`KnockedAttention._kha_knock`) right where the family's attention calls the projection: after the
+projection (and its bias), before any q/k norm, RoPE or attention kernel. Each family's attention code is its own
+transformers code with that one call added (`derive.py`); where the knocks act inside a projection's output is the
+family's row in `families.py`.
+
+Classes: each base family gets three thin subclasses of its own transformers classes (attention, body, causal LM),
+built when the family is first used (`family_classes`). The public classes `KHAModel` and `KHAForCausalLM` pick
+the family's subclass from `config.base_model_type`, so `isinstance(model, KHAForCausalLM)` holds for every family
+and one `auto_map` entry serves them all. A KHA model is built by the family's own `__init__`; its `post_init`
+then turns the body and the attention modules into their KHA subclasses (adding the knocks) before any weight is
+initialised, so family specifics of `__init__` (logit scales, MoE attributes, ...) are never copied by hand.
 
 This file is copied next to saved checkpoints (remote code): it may import only transformers/torch and siblings.
 """
@@ -14,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +30,17 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaForCausalLM,
-    LlamaModel,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-)
-from transformers.models.mistral.modeling_mistral import MistralAttention, MistralForCausalLM, MistralModel
-from transformers.models.mixtral.modeling_mixtral import MixtralAttention, MixtralForCausalLM, MixtralModel
-from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2ForCausalLM, Qwen2Model
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3Model
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention, Qwen3MoeForCausalLM, Qwen3MoeModel
-from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_kha import KHAConfig
+from .derive import derive_knocked_methods, find_attention_class
+from .families import (
+    SUPPORTED_BASE_MODEL_TYPES,
+    TARGETS,
+    config_size,
+    family_spec,
+    knock_dims,
+    projection_features,
+)
 from .knocks import KnockLinear, build_knock
 
 # The safetensors file in which `kha convert` stores the knock tensors of a converted checkpoint.
@@ -92,6 +93,11 @@ def _tag_model_card(folder: Path, base_model_type: str) -> None:
     card.save(path)
 
 
+def _family_class(cls: type) -> type | None:
+    """The transformers class a KHA class subclasses (None on the public classes)."""
+    return next((c for c in cls.__mro__ if c.__module__.startswith("transformers.models.")), None)
+
+
 def _is_kha_config(config: Any) -> bool:
     # Not isinstance: with remote code, transformers may load the config class from another module copy.
     return getattr(config, "model_type", None) == KHAConfig.model_type
@@ -106,72 +112,76 @@ def _is_kha_checkpoint(name_or_path: Any, hub_kwargs: dict) -> bool:
 class KnockedAttention(nn.Module):
     """Mixin over a family's attention class: adds `q_knock` / `k_knock` / `v_knock` and applies them.
 
-    Knocks exist only in the layers listed by `config.knocked_layers`; elsewhere the forward equals the base one.
+    The family's methods that call a projection of the layout are replaced by derived copies (`derive.py`) that
+    pass each projection's output through `_kha_knock`. Knocks exist only in the layers listed by
+    `config.knocked_layers`; elsewhere `_kha_knock` returns its input untouched (no extra operation).
     """
+
+    _kha_layout: dict = {}  # projection -> blocks (families.py), set on each family's subclass
+    _kha_called: frozenset = frozenset()  # the projections the family's code was found to call
 
     def __init__(self, config: KHAConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
+        self._add_knocks(config, layer_idx)
+
+    def _add_knocks(self, config: KHAConfig, layer_idx: int) -> None:
+        """Create this layer's knocks and the plan that applies them to each projection's output."""
+        dims = knock_dims(config, self._kha_layout)
         knocked = layer_idx in config.knocked_layers
-        self.q_knock = build_knock(config.knock_q if knocked else "none", self.head_dim)
-        self.k_knock = build_knock(config.knock_k if knocked else "none", self.head_dim)
-        self.v_knock = build_knock(config.knock_v if knocked else "none", self.head_dim)
+        for target in TARGETS:
+            kind = getattr(config, f"knock_{target}") if knocked and target in dims else "none"
+            setattr(self, f"{target}_knock", build_knock(kind, dims.get(target)))
+        plans = {}
+        for projection, blocks in self._kha_layout.items():
+            module = getattr(self, projection, None)
+            if module is None:
+                continue  # e.g. MLA with q-LoRA has q_b_proj and no q_proj
+            if projection not in self._kha_called:
+                raise TypeError(f"{type(self).__name__}: the family's attention never calls {projection}")
+            expected = projection_features(config, blocks)
+            if getattr(module, "out_features", expected) != expected:
+                raise TypeError(
+                    f"{type(self).__name__}.{projection} has {module.out_features} output features; the KHA layout "
+                    f"of {config.base_model_type} expects {expected}: this family's attention is not supported"
+                )
+            plans[projection] = self._knock_plan(config, blocks)
+        self._kha_plans = plans
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
+    def _knock_plan(self, config: KHAConfig, blocks: tuple) -> tuple | None:
+        """((block features, per-head size, ((segment size, knock attribute or None), ...)), ...), or None when no
+        knock of this layer acts on the projection."""
+        plan = []
+        for block in blocks:
+            sizes = [config_size(config, s.size) for s in block.segments]
+            segments = tuple(
+                (size, f"{s.target}_knock" if s.target and getattr(self, f"{s.target}_knock") is not None else None)
+                for s, size in zip(block.segments, sizes, strict=True)
+            )
+            plan.append((config_size(config, block.heads) * sum(sizes), sum(sizes), segments))
+        return tuple(plan) if any(attr for *_, segments in plan for _, attr in segments) else None
 
-        query_states = self.q_proj(hidden_states).view(hidden_shape)  # (B, T, n_q, d_h)
-        key_states = self.k_proj(hidden_states).view(hidden_shape)  # (B, T, n_kv, d_h)
-        value_states = self.v_proj(hidden_states).view(hidden_shape)  # (B, T, n_kv, d_h)
-        # KHA (diff with the base family): knocks shared by all heads act on each head's features here, after the
-        # projection and before the q/k norm (Qwen3) and RoPE; under GQA the K/V knocks act on the KV heads.
-        if self.q_knock is not None:
-            query_states = self.q_knock(query_states)
-        if self.k_knock is not None:
-            key_states = self.k_knock(key_states)
-        if self.v_knock is not None:
-            value_states = self.v_knock(value_states)
-        if getattr(self, "q_norm", None) is not None:  # Qwen3 / Qwen3-MoE QK RMSNorm
-            query_states = self.q_norm(query_states)
-            key_states = self.k_norm(key_states)
-        query_states = query_states.transpose(1, 2)  # (B, n_q, T, d_h)
-        key_states = key_states.transpose(1, 2)
-        value_states = value_states.transpose(1, 2)
+    def _kha_knock(self, projection: str, states: torch.Tensor) -> torch.Tensor:
+        """The knocks of this layer applied to the output of PROJECTION, (..., features) -> (..., features)."""
+        plan = self._kha_plans.get(projection)
+        if plan is None:
+            return states
+        if len(plan) == 1:
+            return self._knock_block(plan[0], states)
+        parts = states.split([features for features, _, _ in plan], dim=-1)  # Phi-3: [q heads][k heads][v heads]
+        return torch.cat([self._knock_block(b, p) for b, p in zip(plan, parts, strict=True)], dim=-1)
 
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        # Qwen2/Qwen3 set a per-layer window on the module, Mistral/Mixtral read the config, Llama has none.
-        sliding_window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=sliding_window,
-            **kwargs,
-        )
-
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights
+    def _knock_block(self, block: tuple, states: torch.Tensor) -> torch.Tensor:
+        _, head_size, segments = block
+        heads = states.unflatten(-1, (-1, head_size))  # (..., n_heads, head_size): -1 keeps TP-local head counts
+        if len(segments) == 1:
+            attr = segments[0][1]
+            return states if attr is None else getattr(self, attr)(heads).flatten(-2)  # shared by all heads
+        pieces = heads.split([size for size, _ in segments], dim=-1)  # e.g. MLA: (q_nope, q_rope)
+        knocked = [
+            piece if attr is None else getattr(self, attr)(piece)
+            for (_, attr), piece in zip(segments, pieces, strict=True)
+        ]
+        return torch.cat(knocked, dim=-1).flatten(-2)
 
 
 class KHAPreTrainedModel(PreTrainedModel):
@@ -180,9 +190,8 @@ class KHAPreTrainedModel(PreTrainedModel):
     config_class = KHAConfig
     base_model_prefix = "model"
     model_tags = KHA_TAGS  # push_to_hub tags its card with them
-    # family model_type -> concrete subclass; filled below for KHAModel and KHAForCausalLM
-    _family_classes: dict[str, type] = {}
-    _family: str | None = None
+    _family: str | None = None  # the base model_type of a family's subclass; None on the public classes
+    _public_index = 0  # position of this class in `family_classes(...)`: 1 body, 2 causal LM
 
     def __new__(cls, config: KHAConfig | None = None, *args: Any, **kwargs: Any):
         # `KHAForCausalLM(config)` builds the subclass of the config's base family. Without a config (copy.deepcopy
@@ -195,7 +204,7 @@ class KHAPreTrainedModel(PreTrainedModel):
             return cls
         if not _is_kha_config(config):
             raise TypeError(f"{cls.__name__} needs a KHAConfig, got {type(config).__name__}")
-        return cls._family_classes[config.base_model_type]
+        return family_classes(config.base_model_type)[cls._public_index]
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args: Any, config=None, **kwargs: Any):
@@ -215,9 +224,10 @@ class KHAPreTrainedModel(PreTrainedModel):
                 if config_dict.get("model_type") != KHAConfig.model_type:  # neither KHA nor a supported family
                     raise ValueError(
                         f"{pretrained_model_name_or_path} is a {config_dict.get('model_type')!r} model; KHA supports: "
-                        f"{', '.join(cls._family_classes)}"
+                        f"{', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
                     )
-                cls = cls._family_classes[config_dict.get("base_model_type", KHAConfig.base_model_type)]
+                model_type = config_dict.get("base_model_type", KHAConfig.base_model_type)
+                cls = family_classes(model_type)[cls._public_index]
         device_map = kwargs.get("device_map")
         disk = kwargs.get("offload_folder") or (isinstance(device_map, dict) and "disk" in device_map.values())
         if disk and not _is_kha_checkpoint(pretrained_model_name_or_path, hub_kwargs):
@@ -238,10 +248,25 @@ class KHAPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
-        # transformers decides whether MoE experts may use grouped_mm by reading the defining module's source for
-        # its decorator; KHA classes reuse the family's expert modules, so ask the family's class instead.
-        family = next((c for c in cls.__mro__ if c.__module__.startswith("transformers.models.")), None)
+        # transformers decides whether MoE experts may use grouped_mm (and whether the attention implementation may
+        # change after loading) by reading the defining module's source; KHA classes run the family's expert and
+        # attention code, so ask the family's class instead.
+        family = _family_class(cls)
         return family is not None and family._can_set_experts_implementation()
+
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        # transformers 5.24 treats classes outside its package as custom code, and then skips `_init_weights` for
+        # modules without parameters of their own (a heuristic for remote code that bypasses
+        # transformers.initialization): a family whose parent module initialises a child's weight, as Qwen3-Next's MoE
+        # block does its router's, would keep uninitialised memory there. KHA initialises through the family's own
+        # `_init_weights` and transformers.initialization, so it takes the family classes' path.
+        return False
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        family = _family_class(cls)
+        return family is None or family._can_set_attn_implementation()
 
     def save_pretrained(self, save_directory, *args: Any, is_main_process: bool = True, **kwargs: Any):
         """As `PreTrainedModel.save_pretrained`, plus a tagged model card; saving in place leaves no stale knocks."""
@@ -255,6 +280,8 @@ class KHAPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         # Knocks first: the base families would give these nn.Linear subclasses a random normal init.
         if isinstance(module, KnockLinear):
+            if module.weight.is_meta:
+                return  # built without storage (vLLM's loader): real values are loaded or initialised later
             if module.start == "identity":
                 init.eye_(module.weight)
             else:
@@ -266,13 +293,34 @@ class KHAPreTrainedModel(PreTrainedModel):
 class KHAModel(KHAPreTrainedModel):
     """The decoder body (no LM head) of a KHA model; see `KHAForCausalLM`."""
 
+    _public_index = 1
     _attention_class: type | None = None
+    _family_attention: type | None = None  # the family's own attention class
 
     def post_init(self) -> None:
-        # The base body hard-codes its attention class: swap in the knocked one before weights are initialised.
-        for layer_idx, layer in enumerate(self.layers):
-            layer.self_attn = self._attention_class(self.config, layer_idx)
+        self._knock_attention()  # before weights are initialised
         super().post_init()
+
+    def _knock_attention(self) -> None:
+        """Turn each layer's family attention into the KHA subclass and add its knocks (the module keeps its own
+        projections and state: nothing is built twice)."""
+        for layer_idx, layer in enumerate(self.layers):
+            attention = getattr(layer, "self_attn", None)
+            if type(attention) is self._family_attention:  # hybrid models: only the softmax-attention layers
+                attention.__class__ = self._attention_class
+                attention._add_knocks(self.config, layer_idx)
+
+
+def _become(model: PreTrainedModel, cls: type) -> None:
+    """Make MODEL an instance of CLS, a KHA subclass of its class that adds no state of its own. transformers 5.24
+    files each model's `_can_record_outputs` (hidden states, attentions, MoE router logits) under its class name when
+    the model is built (utils/output_capturing.py): file it under the new name too."""
+    model.__class__ = cls
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # releases that read the class attribute directly
+        return
+    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
 
 
 class KHAForCausalLM(KHAPreTrainedModel, GenerationMixin):
@@ -283,18 +331,14 @@ class KHAForCausalLM(KHAPreTrainedModel, GenerationMixin):
     """
 
     _body_class: type | None = None
+    _public_index = 2
 
-    def __init__(self, config: KHAConfig) -> None:
-        # Mirrors the base family's __init__ (whose body class is hard-coded) with the KHA body.
-        PreTrainedModel.__init__(self, config)
-        self.model = self._body_class(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if hasattr(config, "router_aux_loss_coef"):  # MoE families: read by forward for the router aux loss
-            self.router_aux_loss_coef = config.router_aux_loss_coef
-            self.num_experts = config.num_experts
-            self.num_experts_per_tok = config.num_experts_per_tok
-        self.post_init()
+    def post_init(self) -> None:
+        # The family's __init__ built its own body class (hard-coded there): make it the KHA body, add the knocks.
+        if type(self.model) is not self._body_class:
+            _become(self.model, self._body_class)
+            self.model._knock_attention()
+        super().post_init()
 
     @classmethod
     def from_base(
@@ -342,86 +386,95 @@ class KHAForCausalLM(KHAPreTrainedModel, GenerationMixin):
         return model.eval() if not base_model.training else model
 
 
-# --- one thin subclass per base family ------------------------------------------------------------------------
-class KHALlamaAttention(KnockedAttention, LlamaAttention):
-    pass
+# --- each family's three subclasses, built on first use ---------------------------------------------------------
+def _transformers_class(mapping_name: str, model_type: str) -> type:
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    names = getattr(modeling_auto, mapping_name)
+    if model_type not in names:
+        raise ValueError(
+            f"transformers has no {mapping_name.removesuffix('_NAMES').lower()} class for {model_type!r}; "
+            f"KHA supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
+        )
+    return getattr(transformers, names[model_type])
 
 
-class KHAMistralAttention(KnockedAttention, MistralAttention):
-    pass
+_BUILT: dict[str, tuple[type, type, type]] = {}  # model_type -> its classes, built once
 
 
-class KHAQwen2Attention(KnockedAttention, Qwen2Attention):
-    pass
+def family_classes(model_type: str) -> tuple[type, type, type]:
+    """(attention, body, causal LM): the KHA subclasses of MODEL_TYPE's transformers classes."""
+    if model_type in _BUILT:
+        return _BUILT[model_type]
+    spec = family_spec(model_type)
+    body_family = _transformers_class("MODEL_MAPPING_NAMES", model_type)
+    lm_family = _transformers_class("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", model_type)
+    projections = set(spec.layout)
+    try:
+        attention_family = find_attention_class(sys.modules[lm_family.__module__], projections)
+        methods, called = derive_knocked_methods(attention_family, projections)
+    except TypeError as err:
+        raise ValueError(
+            f"model type {model_type!r} is not supported: {err}. KHA supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
+        ) from err
+    if not called:
+        raise ValueError(f"model type {model_type!r}: its attention calls none of {', '.join(sorted(projections))}")
+    module = sys.modules[__name__]
+    attention = type(
+        f"KHA{attention_family.__name__}",
+        (KnockedAttention, attention_family),
+        {**methods, "_kha_layout": spec.layout, "_kha_called": frozenset(called), "__module__": __name__},
+    )
+    body = type(
+        f"KHA{body_family.__name__}",
+        (KHAModel, body_family),
+        {
+            "_family": model_type,
+            "_attention_class": attention,
+            "_family_attention": attention_family,
+            "__module__": __name__,
+        },
+    )
+    lm = type(
+        f"KHA{lm_family.__name__}",
+        (KHAForCausalLM, lm_family),
+        {"_family": model_type, "_body_class": body, "__module__": __name__},
+    )
+    for cls, family in ((body, body_family), (lm, lm_family)):
+        for name in (*_FAMILY_ATTRIBUTES, "_no_split_modules", "forward"):  # the family's own, not the public's
+            if hasattr(family, name):
+                setattr(cls, name, getattr(family, name))
+    for cls in (attention, body, lm):
+        setattr(module, cls.__name__, cls)  # importable by name: pickle, torch.save of whole models
+    _BUILT[model_type] = (attention, body, lm)
+    _register_family(model_type, body, lm)
+    return attention, body, lm
 
 
-class KHAQwen3Attention(KnockedAttention, Qwen3Attention):
-    pass
+def _register_family(model_type: str, body: type, lm: type) -> None:
+    # transformers converts some families' on-disk layout at load (e.g. Mixtral's per-expert w1/w2/w3 into fused
+    # expert tensors) and back at save, keyed by model_type, which for KHA is "kha". Register the family's mapping
+    # under our class names so KHA models read and write exactly the base family's checkpoint layout.
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    mapping = get_checkpoint_conversion_mapping(model_type)
+    if mapping:
+        for cls in (body, lm):
+            register_checkpoint_conversion_mapping(cls.__name__, mapping, overwrite=True)
+    if _AUTO_REGISTRATION:
+        register_auto_classes(_AUTO_REGISTRATION[0])
 
 
-class KHAQwen3MoeAttention(KnockedAttention, Qwen3MoeAttention):
-    pass
+_AUTO_REGISTRATION: list[type] = []  # the config class the Auto classes know KHA under, once registered
 
 
-class KHAMixtralAttention(KnockedAttention, MixtralAttention):
-    pass
-
-
-class KHALlamaModel(KHAModel, LlamaModel):
-    _family, _attention_class = "llama", KHALlamaAttention
-
-
-class KHAMistralModel(KHAModel, MistralModel):
-    _family, _attention_class = "mistral", KHAMistralAttention
-
-
-class KHAQwen2Model(KHAModel, Qwen2Model):
-    _family, _attention_class = "qwen2", KHAQwen2Attention
-
-
-class KHAQwen3Model(KHAModel, Qwen3Model):
-    _family, _attention_class = "qwen3", KHAQwen3Attention
-
-
-class KHAQwen3MoeModel(KHAModel, Qwen3MoeModel):
-    _family, _attention_class = "qwen3_moe", KHAQwen3MoeAttention
-
-
-class KHAMixtralModel(KHAModel, MixtralModel):
-    _family, _attention_class = "mixtral", KHAMixtralAttention
-
-
-class KHALlamaForCausalLM(KHAForCausalLM, LlamaForCausalLM):
-    _family, _body_class = "llama", KHALlamaModel
-
-
-class KHAMistralForCausalLM(KHAForCausalLM, MistralForCausalLM):
-    _family, _body_class = "mistral", KHAMistralModel
-
-
-class KHAQwen2ForCausalLM(KHAForCausalLM, Qwen2ForCausalLM):
-    _family, _body_class = "qwen2", KHAQwen2Model
-
-
-class KHAQwen3ForCausalLM(KHAForCausalLM, Qwen3ForCausalLM):
-    _family, _body_class = "qwen3", KHAQwen3Model
-
-
-class KHAQwen3MoeForCausalLM(KHAForCausalLM, Qwen3MoeForCausalLM):
-    _family, _body_class = "qwen3_moe", KHAQwen3MoeModel
-
-
-class KHAMixtralForCausalLM(KHAForCausalLM, MixtralForCausalLM):
-    _family, _body_class = "mixtral", KHAMixtralModel
-
-
-KHAModel._family_classes = {c._family: c for c in KHAModel.__subclasses__()}
-KHAForCausalLM._family_classes = {c._family: c for c in KHAForCausalLM.__subclasses__()}
-
-# What the families declare about themselves (identical across the six in transformers 5.24, except the decoder
-# layer names). The public classes advertise it, so code that inspects a class before building a model (the Auto
-# classes, pipelines, Trainer, transformers' own model tests) sees what KHA supports; each concrete class then gets
-# its family's own values back, since the public class comes first in its MRO.
+# What the families declare about themselves. The public classes advertise the values the core families share, so
+# code that inspects a class before building a model (the Auto classes, pipelines, Trainer, transformers' own model
+# tests) sees what KHA supports; each family's classes then carry their family's own values (set above).
 _FAMILY_ATTRIBUTES = (
     "_supports_sdpa",
     "_supports_flash_attn",
@@ -434,46 +487,30 @@ _FAMILY_ATTRIBUTES = (
     "_tp_plan",
     "_pp_plan",
 )
+_CORE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
 def _advertise_family_attributes() -> None:
-    for public in (KHAModel, KHAForCausalLM):
-        concretes = list(public._family_classes.values())
-        families = [concrete.__bases__[-1] for concrete in concretes]  # e.g. LlamaForCausalLM
+    for public, mapping in ((KHAModel, "MODEL_MAPPING_NAMES"), (KHAForCausalLM, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")):
+        families = [_transformers_class(mapping, model_type) for model_type in _CORE_FAMILIES]
         for name in _FAMILY_ATTRIBUTES:
             values = [getattr(family, name) for family in families]
             if all(value == values[0] for value in values):
                 setattr(public, name, values[0])
         public._no_split_modules = sorted({layer for family in families for layer in family._no_split_modules})
         public.forward = families[0].forward  # the signature every family shares (MoE families add router outputs)
-        for concrete, family in zip(concretes, families, strict=True):
-            for name in (*_FAMILY_ATTRIBUTES, "_no_split_modules", "forward"):
-                if name in public.__dict__:
-                    setattr(concrete, name, getattr(family, name))
 
 
 _advertise_family_attributes()
 
 
-def _register_checkpoint_conversions() -> None:
-    # transformers converts some families' on-disk layout at load (e.g. Mixtral's per-expert w1/w2/w3 into fused
-    # expert tensors) and back at save, keyed by model_type, which for KHA is "kha". Register the family's mapping
-    # under our class names so KHA models read and write exactly the base family's checkpoint layout.
-    for public in (KHAModel, KHAForCausalLM):
-        for family, concrete in public._family_classes.items():
-            mapping = get_checkpoint_conversion_mapping(family)
-            if mapping:
-                register_checkpoint_conversion_mapping(concrete.__name__, mapping, overwrite=True)
-
-
-_register_checkpoint_conversions()
-
-
 def register_auto_classes(config_class: type) -> None:
     """Register KHA with transformers' Auto classes under CONFIG_CLASS: the public classes first (what
-    `AutoModelForCausalLM` builds), then each family's concrete class, so that pipelines, which look an instance's
-    class name up in the Auto mapping, recognise `KHAQwen3ForCausalLM` and its siblings as text-generation models."""
+    `AutoModelForCausalLM` builds), then each family's classes built so far (and later ones as they are built), so
+    that pipelines, which look an instance's class name up in the Auto mapping, recognise `KHAQwen3ForCausalLM`."""
     from transformers import AutoModel, AutoModelForCausalLM
 
-    for auto, public in ((AutoModel, KHAModel), (AutoModelForCausalLM, KHAForCausalLM)):
-        auto.register(config_class, (public, *public._family_classes.values()), exist_ok=True)
+    _AUTO_REGISTRATION[:] = [config_class]
+    built = [_BUILT[model_type] for model_type in sorted(_BUILT)]
+    for auto, public, index in ((AutoModel, KHAModel, 1), (AutoModelForCausalLM, KHAForCausalLM, 2)):
+        auto.register(config_class, (public, *(classes[index] for classes in built)), exist_ok=True)

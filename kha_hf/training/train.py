@@ -55,7 +55,7 @@ def check_trainable_config(folder: Path) -> None:
     if model_type != "kha" and model_type not in SUPPORTED_BASE_MODEL_TYPES:
         raise KHAError(
             f"{folder} is a {model_type!r} model; kha trains KHA checkpoints and base checkpoints of: "
-            f"{', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
+            f"{', '.join(SUPPORTED_BASE_MODEL_TYPES)} (convert other architectures first: kha convert)"
         )
     check_checkpoint_against_config(folder)
 

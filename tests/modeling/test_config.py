@@ -30,10 +30,12 @@ def test_config_round_trips_and_keeps_base_fields(family, tmp_path):
 
 
 def test_unsupported_base_family_names_the_supported_ones():
-    with pytest.raises(ValueError, match="gpt2.*llama, mistral, qwen2, qwen3, qwen3_moe, mixtral"):
-        KHAConfig.from_base(GPT2Config())
+    with pytest.raises(ValueError, match="gpt2.*llama, mistral, ministral, qwen2"):
+        KHAConfig.from_base(GPT2Config(n_layer=1, n_embd=32, n_head=2), knock="linear_v")
     with pytest.raises(ValueError, match="supports"):
-        KHAConfig(base_model_type="gemma")
+        KHAConfig(base_model_type="no_such_family")
+    with pytest.raises(ValueError, match="gemma3_text"):
+        KHAConfig(base_model_type="gemma3")  # the multimodal wrapper: its text model is the family
 
 
 def test_invalid_preset_and_target_type():
@@ -87,6 +89,7 @@ def test_public_classes_advertise_the_families_capabilities():
     from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM
 
     from kha_hf import KHAForCausalLM, KHAModel
+    from kha_hf.modeling.modeling_kha import family_classes
 
     for public in (KHAModel, KHAForCausalLM):
         assert public._supports_sdpa and public._supports_flash_attn and public._supports_flex_attn
@@ -96,6 +99,6 @@ def test_public_classes_advertise_the_families_capabilities():
     assert KHAForCausalLM._tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "input_ids" in inspect.signature(KHAForCausalLM.forward).parameters
     # each concrete family class keeps its family's own forward and layer names (the MoE forward differs)
-    moe = KHAForCausalLM._family_classes["qwen3_moe"]
+    moe = family_classes("qwen3_moe")[2]
     assert moe.forward is Qwen3MoeForCausalLM.forward and moe._no_split_modules == ["Qwen3MoeDecoderLayer"]
-    assert KHAForCausalLM._family_classes["llama"].forward is LlamaForCausalLM.forward
+    assert family_classes("llama")[2].forward is LlamaForCausalLM.forward

@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kha_hf import KHAConfig, KHAForCausalLM
-from tests.helpers import FAMILIES, randomize_knocks, tiny_base_model, tiny_configs
+from tests.helpers import FAMILIES, randomize_knocks, tiny_base_model, tiny_config
 
 CALLS: list[dict] = []
 
@@ -52,7 +52,7 @@ def test_custom_attention_function_reproduces_sdpa(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_config_carries_the_family_parallel_plans_with_knocks_replicated(family):
-    base = tiny_configs()[family]
+    base = tiny_config(family)
     config = KHAConfig.from_base(base, knock="mlp_v_linear_qk")
     family_plan = type(base).base_model_tp_plan
     assert {k: v for k, v in config.base_model_tp_plan.items() if "knock" not in k} == family_plan
@@ -65,8 +65,32 @@ def test_config_carries_the_family_parallel_plans_with_knocks_replicated(family)
     assert "base_model_tp_plan" not in config.to_dict()  # a class-level fact of the family, not saved
 
 
-def test_tensor_parallel_two_processes_match_one(tmp_path):
-    model = KHAForCausalLM.from_base(tiny_base_model("qwen3", "sdpa"), knock="mlp_v_linear_qk")
+@pytest.mark.parametrize(
+    ("family", "style"),
+    [
+        ("olmo2", "replicate"),
+        ("olmo3", "replicate"),
+        ("phi3", "replicate"),
+        ("gemma3_text", "replicated_with_grad_allreduce"),
+        ("deepseek_v3", None),
+        ("gpt_oss", None),
+    ],
+)
+def test_knock_tp_style_follows_the_projection_style(family, style):
+    """colwise q/k/v (each rank holds whole heads): knock gradients are summed over ranks; colwise_gather_output
+    (every rank sees every head): the knock already has the whole gradient, and summing would multiply it; a family
+    without attention TP plan gets no knock entries."""
+    config = KHAConfig.from_base(tiny_config(family), knock="linear_qkv")
+    knocks = {k: v for k, v in config.base_model_tp_plan.items() if "knock" in k}
+    if style is None:
+        assert knocks == {}
+    else:
+        assert set(knocks) == {f"layers.*.self_attn.{t}_knock" for t in "qkv"} and set(knocks.values()) == {style}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])  # colwise q/k/v; colwise_gather_output q/k/v
+def test_tensor_parallel_two_processes_match_one(tmp_path, family):
+    model = KHAForCausalLM.from_base(tiny_base_model(family, "sdpa"), knock="mlp_v_linear_qk")
     randomize_knocks(model)
     model.save_pretrained(tmp_path / "kha")
     ids = torch.tensor([[3, 9, 27, 81, 5, 15, 45, 7]])

@@ -18,7 +18,7 @@ from kha_hf.common.model_code import copy_model_code
 from tests.helpers import tiny_base_model
 
 MODELING_DIR = Path(kha_hf.modeling.__file__).parent
-REMOTE_CODE = {"configuration_kha.py", "modeling_kha.py", "knocks.py"}
+REMOTE_CODE = {"configuration_kha.py", "modeling_kha.py", "knocks.py", "families.py", "derive.py"}
 ALLOWED_TOP_LEVEL = {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names)
 
 

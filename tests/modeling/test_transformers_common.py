@@ -24,10 +24,12 @@ from transformers import (
 )
 from transformers import initialization as init
 from transformers.models.auto import modeling_auto
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from kha_hf import KHAConfig, KHAForCausalLM, KHAModel
 from kha_hf.modeling.knocks import KnockLinear
-from kha_hf.modeling.modeling_kha import KHAPreTrainedModel
+from kha_hf.modeling.modeling_kha import KHAPreTrainedModel, family_classes
+from tests.helpers import MLA_FAMILIES, OTHER_FAMILIES
 from tests.modeling.upstream_common import load_modeling_common
 
 common = load_modeling_common()
@@ -41,8 +43,12 @@ def _perturbed_init(self: KHAPreTrainedModel, module: torch.nn.Module) -> None:
     Uses transformers' own init functions, which leave weights loaded from a checkpoint alone.
     """
     _identity_init(self, module)
-    if isinstance(module, KnockLinear):
-        init.copy_(module.weight, module.weight + 0.2 * torch.randn_like(module.weight))
+    if isinstance(module, KnockLinear) and not module.weight.is_meta:
+        # Its own generator: drawing from the global one would shift the random init of every weight initialised
+        # after the knocks, and the mixin compares two builds whose init orders differ (Qwen3-Next's router).
+        generator = torch.Generator().manual_seed(module.weight.shape[0] + (1000 if module.start == "zeros" else 0))
+        noise = torch.randn(module.weight.shape, generator=generator).to(module.weight)
+        init.copy_(module.weight, module.weight + 0.2 * noise)
 
 
 class KHAModelTester:
@@ -69,7 +75,8 @@ class KHAModelTester:
             eos_token_id=2,
         )
         base = self.base_config(**{**fields, **self.family_fields})
-        return KHAConfig.from_base(base, knock="mlp_v_linear_qk")  # all three knocks, both kinds
+        # all three knocks, both kinds (MLA: linear knocks only)
+        return KHAConfig.from_base(base, knock="linear_qkv" if base.model_type in MLA_FAMILIES else "mlp_v_linear_qk")
 
     def prepare_config_and_inputs_for_common(self) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
         input_ids = common.ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
@@ -124,8 +131,9 @@ class _KHACommonTests(common.ModelTesterMixin):
 
     def test_knocks_are_perturbed(self):
         # The point of this class: if the perturbation stopped applying, every test below would only see identities.
-        model = KHAForCausalLM(self.model_tester.get_config())
-        knock = model.model.layers[0].self_attn.q_knock
+        config = self.model_tester.get_config()
+        model = KHAForCausalLM(config)
+        knock = model.model.layers[config.knocked_layers[0]].self_attn.q_knock
         self.assertGreater((knock.weight - torch.eye(knock.weight.shape[0])).abs().max().item(), 0.1)
 
 
@@ -150,15 +158,44 @@ class KHAQwen2CommonTest(_KHACommonTests, unittest.TestCase):
 class KHAQwen3MoeCommonTest(_KHACommonTests, unittest.TestCase):
     # The family's own KHA classes (what `KHAForCausalLM(config)` builds): the mixin asks the class, before building
     # a model, whether its experts can use grouped_mm, and only the concrete class knows its family.
-    all_model_classes = (KHAModel._family_classes["qwen3_moe"], KHAForCausalLM._family_classes["qwen3_moe"])
+    all_model_classes = family_classes("qwen3_moe")[1:]
     base_config = Qwen3MoeConfig
     # 16, not 12: torch._grouped_mm (the default experts kernel) needs 16-byte strides in bf16/fp16, stock too
     family_fields = {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
 
 
 class KHAMixtralCommonTest(_KHACommonTests, unittest.TestCase):
-    all_model_classes = (KHAModel._family_classes["mixtral"], KHAForCausalLM._family_classes["mixtral"])
+    all_model_classes = family_classes("mixtral")[1:]
     base_config = MixtralConfig
     # head_dim given: with MixtralConfig's default None, dynamic and YaRN RoPE fail in stock Mixtral too
     # (transformers 5.24, rope init reads `config.head_dim`).
     family_fields = {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16}
+
+
+# Sizes the mixin's tiny configs need per family. gpt_oss: 16, not 37: torch._grouped_mm (the default experts
+# kernel) needs 16-byte strides in fp16/bf16, stock GPT-OSS too.
+MIXIN_FIELDS = {"gpt_oss": {"intermediate_size": 16}}
+
+
+def _other_family_test(model_type: str) -> type:
+    """The mixin on one more family of the table: its own KHA classes, its tiny config fields cut to 2 layers."""
+    fields = {k: v[:2] if k in ("layer_types", "no_rope_layers") else v for k, v in OTHER_FAMILIES[model_type].items()}
+    fields.update(MIXIN_FIELDS.get(model_type, {}))
+    attributes = {
+        "all_model_classes": family_classes(model_type)[1:],
+        "base_config": CONFIG_MAPPING[model_type],
+        "family_fields": fields,
+        "__module__": __name__,
+    }
+    if model_type == "qwen3_next":
+        attributes["test_attention_outputs"] = unittest.skip(
+            "hybrid model: only its softmax-attention layers return attention weights, and the mixin counts one per "
+            "layer; stock Qwen3NextForCausalLM fails it identically (transformers 5.24)"
+        )(lambda self: None)
+    name = f"KHA{CONFIG_MAPPING[model_type].__name__.removesuffix('Config')}CommonTest"
+    return type(name, (_KHACommonTests, unittest.TestCase), attributes)
+
+
+for _model_type in sorted(OTHER_FAMILIES):
+    _test_class = _other_family_test(_model_type)
+    globals()[_test_class.__name__] = _test_class
