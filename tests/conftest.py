@@ -27,3 +27,21 @@ def _isolated_hf_home(tmp_path_factory, monkeypatch):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def gemma3_linear_kha(tmp_path_factory):
+    """Gemma 3 270M (the real GGUF from PyPI, 262k vocabulary) converted once per test session to linear_qkv with
+    --verify; returns (folder, what verify printed). Reading this GGUF takes about a minute: tests that need another
+    preset derive it from this folder (streaming), never from the GGUF again."""
+    import contextlib
+    import io
+
+    from kha_hf.common.assets import gemma3_gguf
+    from kha_hf.conversion import convert
+
+    out = tmp_path_factory.mktemp("gemma3") / "linear_qkv"
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        convert(gemma3_gguf(), out, knock="linear_qkv", verify=True, progress=False)
+    return out, report.getvalue()

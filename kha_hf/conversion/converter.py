@@ -93,22 +93,31 @@ def convert(
         if source.gguf_file is not None:
             # inside the temporary output: removed with it whatever happens
             with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out) as dequantised:
+                if progress:
+                    print(f"dequantising {source.gguf_file.name} (GGUF is read whole, through transformers)")
                 dequantize_gguf(source.gguf_file, Path(dequantised))
                 dequantised_source = Source(Path(dequantised), source.name)
                 # link: the dequantised shards are ours to give away (they vanish with the temporary folder)
                 result = _convert_folder(dequantised_source, out, knock, knock_layers, True, dtype, progress, card)
+                if verify:  # against what the GGUF loads as, already on disk: not dequantised a second time
+                    _verify(Path(dequantised), out, dtype, what=f"{source.gguf_file.name} (dequantised)")
         else:
             result = _convert_folder(source, out, knock, knock_layers, link, dtype, progress, card)
-        if verify:
-            from .verify import verify_conversion
-
-            verify_conversion(source.gguf_file or source.folder, out, dtype=dtype or "float32")
+            if verify:
+                _verify(source.folder, out, dtype, what=source.name)
     result.output = dst.absolute()
     if push_to_hub:
         from .hub import push_folder
 
         push_folder(result.output, push_to_hub, private=private, token=token)
     return result
+
+
+def _verify(base: Path, kha_dir: Path, dtype: str | None, what: str) -> None:
+    from .verify import verify_conversion
+
+    print(f"verifying: loading {what} and the KHA checkpoint, comparing logits and greedy tokens")
+    verify_conversion(base, kha_dir, dtype=dtype or "float32")
 
 
 def check_base_config(base_config: dict, folder: Path) -> None:
