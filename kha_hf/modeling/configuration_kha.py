@@ -14,8 +14,10 @@ This file is copied next to saved checkpoints (remote code): it may import only 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, ClassVar
 
+import transformers
 from transformers import PreTrainedConfig
 
 from .families import (
@@ -25,6 +27,21 @@ from .families import (
     family_spec,
     knock_dims,
 )
+
+# The oldest transformers this remote-code set runs on (tested: the vLLM environment of scripts/install.sh vllm pins
+# it); kha-hf itself needs the newer range in setup.cfg.
+MIN_TRANSFORMERS = "5.16.1"
+
+
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+if _release(transformers.__version__) < _release(MIN_TRANSFORMERS):
+    raise ImportError(
+        f"KHA models need transformers >= {MIN_TRANSFORMERS}, this is {transformers.__version__}: "
+        f"pip install 'transformers>={MIN_TRANSFORMERS}'"
+    )
 
 
 def base_config_class(model_type: str | None) -> type[PreTrainedConfig]:

