@@ -21,6 +21,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+OFFLINE_HINT = "offline? set HF_HUB_OFFLINE=1 to use what is cached, or pass a local path"
+
+
+def describe_error(err: BaseException) -> str:
+    """The first line of ERR, plus a hint when the Hugging Face Hub could not be reached (no network)."""
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    chain, seen = err, set()
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        name = type(chain).__name__
+        if name in ("ConnectError", "ConnectionError", "ConnectTimeout", "LocalEntryNotFoundError") or (
+            "couldn't connect" in str(chain).lower() or "failed to resolve" in str(chain).lower()
+        ):
+            return f"{reason} ({OFFLINE_HINT})"
+        chain = chain.__cause__ or chain.__context__
+    return reason
+
+
 def find_gguf(path: Path) -> Path | None:
     """The GGUF file that `path` is or holds (exactly one), else None."""
     if path.is_file() and path.suffix == ".gguf":
@@ -160,7 +178,7 @@ def load_tokenizer(ref: str | Path, tokenizer: str | Path | None = None, trust_r
             return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as err:
-        reason = _remote_code_error(source, err) or str(err).strip().splitlines()[0]
+        reason = _remote_code_error(source, err) or describe_error(err)
         raise KHAError(
             f"cannot load a tokenizer from {source}: {reason}"
             + ("" if tokenizer else "; pass --tokenizer NAME_OR_PATH to use another one")
@@ -200,5 +218,5 @@ def load_causal_lm(
         remote = _remote_code_error(ref, err)
         if remote is not None:
             raise remote from err
-        raise KHAError(f"cannot load model {str(ref)!r}: {str(err).strip().splitlines()[0]}") from err
+        raise KHAError(f"cannot load model {str(ref)!r}: {describe_error(err)}") from err
     return model.to(device).eval(), tok

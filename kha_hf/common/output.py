@@ -55,7 +55,7 @@ def atomic_output_dir(
     """
     dst = Path(dst).expanduser().absolute()
     if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise KHAError(f"{dst} already exists; pass --overwrite to replace it")
+        raise KHAError(f"{dst} already exists; pass --overwrite (overwrite=True from Python) to replace it")
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(dst)

@@ -57,7 +57,7 @@ def check_destination(dst: str | Path, sources: list[Path], overwrite: bool, dat
             )
     if dst.exists() or dst.is_symlink():
         if not overwrite:
-            raise KHAError(f"{dst} already exists; pass --overwrite to replace it")
+            raise KHAError(f"{dst} already exists; pass --overwrite (overwrite=True from Python) to replace it")
         check_replaceable(dst)
     return dst
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..common.errors import KHAError
-from ..common.loading import check_model_ref, find_gguf
+from ..common.loading import check_model_ref, describe_error, find_gguf
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "LICENSE*"]
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
@@ -30,8 +30,7 @@ def download_from_hub(repo_id: str, revision: str | None = None, token: str | No
     try:
         return Path(snapshot_download(repo_id, revision=revision, token=token, allow_patterns=HUB_PATTERNS))
     except Exception as err:  # offline, unknown repo, gated, network: all end the same way for the user
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise KHAError(f"cannot fetch {repo_id!r} from the Hugging Face Hub: {reason}") from err
+        raise KHAError(f"cannot fetch {repo_id!r} from the Hugging Face Hub: {describe_error(err)}") from err
 
 
 def resolve_source(src: str | Path, revision: str | None = None, token: str | None = None) -> Source:

@@ -1,7 +1,8 @@
 """Silence lm-eval warnings that are expected and harmless in kha's use of it, and nothing else.
 
-- `pretrained` model kwarg is not of type `str`: we hand HFLM a model we loaded ourselves, on purpose (lm-eval
-  0.4.13 warns about any such model).
+- `pretrained` model kwarg is not of type `str`, and "Passed an already-initialized model through `pretrained`":
+  we hand HFLM a model we loaded ourselves, on purpose, in one process (lm-eval 0.4.13 warns about any such model,
+  once per model evaluated).
 - "Custom kwargs can be passed to `--metadata`": printed for every task whose documents come from a
   `custom_dataset`, which is how the offline tasks read the local copies.
 - "metric X is defined, but aggregation / higher_is_better is not": lm-eval's own YAML for copa (and a few others)
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 
 EXPECTED = (
     "`pretrained` model kwarg is not of type `str`",
+    "Passed an already-initialized model through `pretrained`",
     "Custom kwargs can be passed to `--metadata`",
     "is defined, but aggregation is not",
     "is defined, but higher_is_better is not",

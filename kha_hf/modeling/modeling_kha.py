@@ -20,6 +20,7 @@ This file is copied next to saved checkpoints (remote code): it may import only 
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import sys
@@ -91,6 +92,13 @@ def _tag_model_card(folder: Path, base_model_type: str) -> None:
     card.data.library_name = card.data.library_name or "transformers"
     card.data.pipeline_tag = card.data.pipeline_tag or "text-generation"
     card.save(path)
+
+
+# True while `from_pretrained` loads a base (non-KHA) checkpoint into a KHA model: its knocks are missing from the
+# files by design and start at the identity, so transformers' load report need not list them as "newly initialized"
+# weights to train (a KHA checkpoint that lacks knock tensors is still reported).
+_LOADING_BASE_CHECKPOINT = contextvars.ContextVar("kha_loading_base_checkpoint", default=False)
+KNOCK_KEYS = r"\.[qkv]_knock\."
 
 
 def _family_class(cls: type) -> type | None:
@@ -239,7 +247,22 @@ class KHAPreTrainedModel(PreTrainedModel):
             )
         if cls.__module__ != "kha_hf.modeling.modeling_kha":  # loaded as remote code, without kha_hf
             register_auto_classes(cls.config_class)  # transformers registered the public class alone just before
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+        try:
+            base = pretrained_model_name_or_path is not None and not _is_kha_checkpoint(
+                pretrained_model_name_or_path, hub_kwargs
+            )
+        except (OSError, ValueError):  # no readable config here (a GGUF folder...): transformers says why below
+            base = False
+        token = _LOADING_BASE_CHECKPOINT.set(base)
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+        finally:
+            _LOADING_BASE_CHECKPOINT.reset(token)
+
+    def post_init(self) -> None:
+        super().post_init()
+        if _LOADING_BASE_CHECKPOINT.get():
+            self._keys_to_ignore_on_load_missing.add(KNOCK_KEYS)  # initialised to the identity, not to train
 
     @classmethod
     def _from_config(cls, config: KHAConfig, **kwargs: Any):

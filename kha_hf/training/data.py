@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 
 from ..common.assets import shakespeare_files
 from ..common.errors import KHAError
-from ..common.loading import HUB_ID
+from ..common.loading import HUB_ID, describe_error
 from ..common.text_files import read_text_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text")
@@ -90,8 +90,7 @@ def _read_hub_dataset(name: str, split: str = "train", column: str = "text") -> 
 
         dataset = datasets.load_dataset(name, split=split)
     except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise KHAError(f"cannot load dataset {name!r} from the Hugging Face Hub: {reason}") from err
+        raise KHAError(f"cannot load dataset {name!r} from the Hugging Face Hub: {describe_error(err)}") from err
     if column not in dataset.column_names:
         raise KHAError(f"dataset {name!r} has no {column!r} column (columns: {', '.join(dataset.column_names)})")
     return list(dataset[column])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback
 
 
@@ -26,11 +27,12 @@ def format_log(logs: dict, step: int, max_steps: int) -> str:
 
 
 class ReadableProgress(ProgressCallback):
-    """transformers' progress bar with readable log lines; without a bar (`disable_tqdm`) the lines alone."""
+    """transformers' progress bars, labelled ("training", "held-out eval"), with readable log lines; without bars
+    (`disable_tqdm`) the lines alone."""
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if not args.disable_tqdm:
-            super().on_train_begin(args, state, control, **kwargs)
+        if not args.disable_tqdm and state.is_world_process_zero:
+            self.training_bar = tqdm(total=state.max_steps, desc="training", unit="step", dynamic_ncols=True)
         self.current_step = 0
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -38,8 +40,18 @@ class ReadableProgress(ProgressCallback):
             super().on_step_end(args, state, control, **kwargs)
 
     def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
-        if not args.disable_tqdm:
-            super().on_prediction_step(args, state, control, eval_dataloader=eval_dataloader, **kwargs)
+        if args.disable_tqdm or not state.is_world_process_zero:
+            return
+        if self.prediction_bar is None and eval_dataloader is not None and hasattr(eval_dataloader, "__len__"):
+            self.prediction_bar = tqdm(
+                total=len(eval_dataloader),
+                desc="held-out eval",
+                unit="batch",
+                leave=self.training_bar is None,
+                dynamic_ncols=True,
+            )
+        if self.prediction_bar is not None:
+            self.prediction_bar.update(1)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:

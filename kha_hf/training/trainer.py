@@ -22,6 +22,7 @@ class KHATrainer(Trainer):
         self.add_callback(KnockSyncCheck)
         self.knock_lr = knock_lr
         self._last_log = (time.perf_counter(), 0)
+        self._knocks_train = any(p.requires_grad and is_knock_parameter(n) for n, p in self.model.named_parameters())
 
     def _fit_eval_batch_to_eval_set(self) -> None:
         # The paper's arguments drop incomplete batches (`dataloader_drop_last`, so DDP ranks see equal batches),
@@ -54,7 +55,8 @@ class KHATrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: add what KHA users watch
-            logs["knock_distance"] = round(knock_distance_from_init(self.model), 6)
+            if self._knocks_train:  # a run that trains no knocks (a LoRA control) has nothing to report
+                logs["knock_distance"] = round(knock_distance_from_init(self.model), 6)
             now, tokens = time.perf_counter(), int(self.state.num_input_tokens_seen or 0)
             last_time, last_tokens = self._last_log
             if tokens > last_tokens and now > last_time:

