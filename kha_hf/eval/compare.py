@@ -10,9 +10,18 @@ from pathlib import Path
 
 from ..common.errors import KHAError
 from ..common.loading import check_device, check_model_ref, load_causal_lm
-from ..common.statistics import paired_difference
+from ..common.output import atomic_output_dir
+from ..common.paths import check_run_destination
 from ..common.text_files import read_text_file
 from .local_tasks import local_task_configs
+from .paired import (
+    PER_DOCUMENT_FILE,
+    comparison_rows,
+    markdown_table,
+    per_document_records,
+    per_document_scores,
+    write_per_document,
+)
 from .perplexity import load_evaluate_metric, perplexity
 from .quiet import quiet_lm_eval
 from .suites import resolve_tasks
@@ -160,9 +169,21 @@ def evaluate_loaded(
             fewshot_random_seed=seed,
             log_samples=True,  # per-document scores, for the paired comparison
         )
+    groups = groups or requested_groups(raw.get("group_subtasks", {}), tasks)
     metrics = summarize(raw["results"], groups, raw.get("n-samples", {}))
     per_doc = per_document_scores(raw.pop("samples", {}), groups)
     return ModelResult(label, ref, metrics, raw, None, per_doc)
+
+
+def requested_groups(group_subtasks: dict[str, list[str]], tasks: list[str]) -> dict[str, list[str]]:
+    """Each requested task that lm-eval ran as a group (mmlu: 4 subgroups, 57 subjects) -> its leaf tasks, so the
+    group gets one row paired over all its documents, as the offline path does, instead of one test per subject."""
+
+    def leaves(name: str) -> list[str]:
+        children = group_subtasks.get(name)
+        return [name] if children is None else [leaf for child in children for leaf in leaves(child)]
+
+    return {task: leaves(task) for task in tasks if task in group_subtasks}
 
 
 def check_eval_inputs(refs: list[str], limit: int | None, device: str, perplexity_file: str | None) -> None:
@@ -174,98 +195,6 @@ def check_eval_inputs(refs: list[str], limit: int | None, device: str, perplexit
     check_device(device)
     if perplexity_file is not None:
         read_text_file(perplexity_file, "--perplexity file")
-
-
-def comparison_rows(baseline: ModelResult | None, candidate: ModelResult) -> list[dict]:
-    """One row per (task, metric): each model's value ± stderr and, with a baseline, the paired difference."""
-    rows = []
-    for key in sorted(candidate.metrics):
-        value_c, se_c = candidate.metrics[key]
-        row = {"task": key[0], "metric": key[1], "candidate": value_c, "candidate_stderr": se_c}
-        if baseline is not None and key in baseline.metrics:
-            value_b, se_b = baseline.metrics[key]
-            row.update(baseline=value_b, baseline_stderr=se_b, delta=value_c - value_b)
-            paired = paired_rows(baseline.per_doc.get(key, {}), candidate.per_doc.get(key, {}))
-            if paired is not None:
-                row["paired"] = paired
-                row["significant"] = paired["p_value"] < 0.05
-        rows.append(row)
-    return rows
-
-
-def paired_rows(baseline: dict, candidate: dict) -> dict | None:
-    """Paired statistics over the documents both models scored (same ids, same order), or None if none."""
-    common = sorted(baseline.keys() & candidate.keys())
-    if not common:
-        return None
-    if len(common) != len(baseline) or len(common) != len(candidate):
-        raise KHAError("the two models were scored on different documents; rerun both with the same settings")
-    stats = paired_difference([baseline[k] for k in common], [candidate[k] for k in common])
-    return {k: stats[k] for k in ("delta", "stderr", "ci95", "p_value", "n", "discordant", "test")}
-
-
-def _pm(value: float, stderr: float | None) -> str:
-    return f"{value:.4f} ± {stderr:.4f}" if stderr is not None else f"{value:.4f}"
-
-
-def format_delta(row: dict) -> tuple[str, str]:
-    """('Δ [95 % CI]', 'p') cells of a comparison row."""
-    paired = row.get("paired")
-    if paired is None:
-        return f"{row['delta']:+.4f}", "n/a"
-    low, high = paired["ci95"]
-    p = paired["p_value"]
-    return f"{paired['delta']:+.4f} [{low:+.4f}, {high:+.4f}]", ("1" if p == 1 else f"{p:.3g}")
-
-
-def markdown_table(rows: list[dict], baseline: ModelResult | None, candidate: ModelResult) -> str:
-    if baseline is None:
-        lines = ["| task | metric | candidate |", "|---|---|---|"]
-        lines += [f"| {r['task']} | {r['metric']} | {_pm(r['candidate'], r['candidate_stderr'])} |" for r in rows]
-    else:
-        lines = [
-            "| task | metric | baseline | candidate | Δ [95 % CI] (paired) | p | n |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            if "baseline" not in r:
-                continue
-            delta, p = format_delta(r)
-            n = r["paired"]["n"] if "paired" in r else ""
-            lines.append(
-                f"| {r['task']} | {r['metric']} | {_pm(r['baseline'], r['baseline_stderr'])} | "
-                f"{_pm(r['candidate'], r['candidate_stderr'])} | {delta} | {p} | {n} |"
-            )
-        lines += [
-            "",
-            "Δ = candidate − baseline over the same documents; 95 % CI from the per-document differences; p from the "
-            "exact McNemar test (0/1 metrics) or a paired permutation test (continuous metrics).",
-        ]
-    models = [m for m in (baseline, candidate) if m is not None]
-    if any(m.perplexity for m in models):
-        lines += ["", "| model | perplexity | tokens | method |", "|---|---|---|---|"]
-        for m in models:
-            p = m.perplexity
-            lines.append(f"| {m.label}: {m.ref} | {p['perplexity']:.3f} | {p['tokens']} | {p['method']} |")
-    return "\n".join(lines) + "\n"
-
-
-def per_document_scores(samples: dict, groups: dict[str, list[str]]) -> dict[tuple[str, str], dict]:
-    """lm-eval's logged samples -> (task, metric) -> {(subtask, doc_id): score}; group members (the MMLU
-    subjects) are pooled under their group, so the group is paired over all its documents."""
-    group_of = {sub: group for group, subs in groups.items() for sub in subs}
-    scores: dict[tuple[str, str], dict] = {}
-    for task, task_samples in samples.items():
-        for sample in task_samples:
-            filt = sample.get("filter", "none")
-            for metric in sample.get("metrics", []):
-                value = sample.get(metric)
-                if not isinstance(value, (int, float)):
-                    continue
-                name = metric if filt == "none" else f"{metric} ({filt})"
-                key = (group_of.get(task, task), name)
-                scores.setdefault(key, {})[(task, sample["doc_id"])] = float(value)
-    return scores
 
 
 def run_eval(
@@ -283,10 +212,15 @@ def run_eval(
     perplexity_file: str | None = None,
     seed: int = 1234,
     trust_remote_code: bool = False,
+    overwrite: bool = False,
 ) -> dict:
-    """Evaluate CANDIDATE (and BASELINE) with identical settings; write table.md, summary.json, raw results."""
+    """Evaluate CANDIDATE (and BASELINE) with identical settings; write table.md, summary.json, the per-document
+    scores and the raw results to OUTPUT, which appears when complete (an existing one only with `overwrite`)."""
     task_names = resolve_tasks(tasks, suite)
     check_eval_inputs([r for r in (baseline, candidate) if r], limit, device, perplexity_file)
+    final = check_run_destination(
+        output, [baseline, candidate], [perplexity_file] if perplexity_file else [], overwrite
+    )
     if local_data is None:
         local_data = not hub_reachable()
         if local_data:
@@ -304,8 +238,6 @@ def run_eval(
         local_notes = {t: LOCAL_TASKS[t].note for t in task_names if t in LOCAL_TASKS and LOCAL_TASKS[t].note}
         for task, note in local_notes.items():
             print(f"  {task}: {note}")
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
     settings = dict(
         tasks=task_names,
         local=local_data,
@@ -325,13 +257,8 @@ def run_eval(
     shared = dict(perplexity_metric=metric, task_manager=TaskManager(), trust_remote_code=trust_remote_code)
     base_result = evaluate_model("baseline", baseline, **settings, **shared) if baseline else None
     cand_result = evaluate_model("candidate", candidate, **settings, **shared)
-    for result in (base_result, cand_result):
-        if result is not None:
-            raw = {k: v for k, v in result.raw.items() if k not in ("samples",)}
-            (output / f"{result.label}_lm_eval.json").write_text(json.dumps(raw, indent=2, default=str))
     rows = comparison_rows(base_result, cand_result)
     table = markdown_table(rows, base_result, cand_result)
-    (output / "table.md").write_text(table)
     summary = {
         "baseline": baseline,
         "candidate": candidate,
@@ -340,7 +267,15 @@ def run_eval(
         "rows": rows,
         "perplexity": {r.label: r.perplexity for r in (base_result, cand_result) if r is not None and r.perplexity},
     }
-    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    with atomic_output_dir(final, overwrite=overwrite, marker="eval") as output:
+        for result in (base_result, cand_result):
+            if result is not None:
+                raw = {k: v for k, v in result.raw.items() if k not in ("samples",)}
+                (output / f"{result.label}_lm_eval.json").write_text(json.dumps(raw, indent=2, default=str))
+        if base_result is not None:
+            write_per_document(output / PER_DOCUMENT_FILE, per_document_records(base_result, cand_result))
+        (output / "table.md").write_text(table)
+        (output / "summary.json").write_text(json.dumps(summary, indent=2))
     print(table)
-    print(f"wrote {output / 'table.md'}, {output / 'summary.json'} and the raw lm-eval results")
+    print(f"wrote {final / 'table.md'}, {final / 'summary.json'}, the per-document scores and the raw lm-eval results")
     return summary

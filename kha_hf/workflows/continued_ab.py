@@ -1,21 +1,33 @@
-"""`kha ab --from MODEL`: should I convert a real checkpoint to KHA before continued training?
+"""`kha ab --from MODEL`: should I convert a real checkpoint to KHA before continued training, and do the knocks
+beat a control of their size?
 
-MODEL (folder, Hub id or .gguf) is converted once; then four arms train with identical data, data order, steps,
-optimiser and seeds:
+MODEL (folder, Hub id or .gguf) is converted once; four arms then train with identical data, data order, steps and
+optimiser:
 
 - (a) `base-full`: the base model, every weight trained;          (b) `kha-full`: its KHA conversion, likewise.
 - (c) `kha-knocks`: only the knocks of the conversion train;      (d) `lora-matched`: a LoRA on the projections the
-  knocks act on (v_proj for mlp_v), with a rank whose trainable parameter count matches the knocks' within 5 %.
+  knocks act on (v_proj for mlp_v), at the rank whose parameter count is closest to the knocks' (exact for mlp_v;
+  the report says how far apart the counts are otherwise).
 
-(b − a) asks whether KHA adds anything to full training; (c − d) whether the knocks beat any other parameters of the
-same size added at the same place: a control that would help as much without KHA. Both differences are paired per
-seed and reported with a 95 % t-interval over seeds. `run_eval=True` adds the quick lm-eval suite on the first seed's
-models with the per-document paired statistics of `kha eval`.
+A fair comparison needs each arm at its own best setting. Each arm's learning rate is chosen from a small grid
+(`lr_grid_full` for a/b, `lr_grid_small` for c/d) by its loss on a validation split that the reported held-out split
+never touches (train / validation / held-out are consecutive, disjoint parts of the packed corpus). Neither adapter
+arm gets weight decay (the knocks never do; the LoRA is treated the same). Tuning runs at the first seed.
+
+Then every arm trains at its chosen rate for SEEDS seeds. A seed sets the data order (which training blocks form
+each batch, and in what order) and the LoRA's random initialisation; every arm starts from the same pretrained
+weights. Held-out loss is measured per block, on the corpus's held-out tail and on text of another domain
+(Wikipedia paragraphs, `data.OTHER_DOMAIN`) before and after training: the second says what training on the corpus
+costs elsewhere ("forgetting"). The comparisons (b − a, c − d) are paired per seed and per block, and their 95 %
+interval resamples both seeds and blocks (`statistics.two_level_bootstrap`), so it carries the spread between
+seeds and the sampling error of the blocks. Each arm reports trainable parameters, estimated training FLOPs and
+wall time.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,217 +37,344 @@ from ..common.errors import KHAError
 from ..common.loading import find_gguf, load_tokenizer
 from ..common.output import atomic_output_dir
 from ..common.paths import check_run_destination
+from ..common.statistics import seed_interval, two_level_bootstrap
 from ..modeling.configuration_kha import KNOCK_PRESETS
-from ..training.ab_report import (
-    ArmRun,
-    arm_summary,
-    compare_arms,
-    plot_mean_curves,
-    print_comparison,
-    write_curves_csv,
-    write_json,
-)
+from ..training.ab_report import ArmRun, plot_mean_curves, write_curves_csv, write_json
 from ..training.arms import train_arm
-from ..training.modes import MATCH_TOLERANCE, lora_targets, matched_lora_rank
+from ..training.block_losses import block_losses
+from ..training.modes import lora_targets, matched_lora_rank
 from ..training.params import count_knock_parameters
 
 ARMS = ("base-full", "kha-full", "kha-knocks", "lora-matched")
 COMPARISONS = (("kha-full", "base-full"), ("kha-knocks", "lora-matched"))
+LR_GRID_FULL = (2e-5, 5e-5, 1.5e-4)
+LR_GRID_SMALL = (1e-3, 3e-3, 1e-2)
 
 
-def _trainable(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+@dataclass
+class ContinuedAB:
+    """The settings of one `kha ab --from` run (see the module docstring)."""
+
+    model: str
+    knock: str = "mlp_v"
+    max_steps: int = 24
+    seq_len: int = 128
+    batch_size: int = 4
+    lr_grid_full: tuple[float, ...] = LR_GRID_FULL
+    lr_grid_small: tuple[float, ...] = LR_GRID_SMALL
+    data: list[str] | None = None
+    seed: int = 0
+    seeds: int = 5
+    eval_blocks: int = 16
+    run_eval: bool = False
+    limit: int = 100
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    extra: dict = field(default_factory=dict)  # filled while running: data sizes, parameter matching
+
+    def grid(self, arm: str) -> tuple[float, ...]:
+        return self.lr_grid_full if arm.endswith("-full") else self.lr_grid_small
 
 
-def continued_ab(
-    model: str,
-    output: str | Path = "kha-ab-continued",
-    knock: str = "mlp_v",
-    max_steps: int = 24,
-    seq_len: int = 128,
-    batch_size: int = 4,
-    lr_full: float = 5e-5,
-    lr_small: float = 1e-3,
-    data: list[str] | None = None,
-    seed: int = 0,
-    seeds: int = 3,
-    max_eval_blocks: int = 16,
-    run_eval: bool = False,
-    limit: int = 100,
-    tokenizer: str | None = None,
-    trust_remote_code: bool = False,
-    overwrite: bool = False,
-) -> dict:
-    """Run the four arms over SEEDS seeds; write loss_curves.csv/.png and summary.json to OUTPUT.
-
-    OUTPUT follows the destination rules of `kha convert` and appears only when the run is complete (an existing
-    one is replaced only with `overwrite`)."""
+def continued_ab(settings: ContinuedAB, output: str | Path = "kha-ab-continued", overwrite: bool = False) -> dict:
+    """Tune, run the four arms over the seeds, write loss_curves.csv/.png and summary.json to OUTPUT (which appears
+    when the run is complete; an existing one is replaced only with `overwrite`)."""
     from ..training.train import check_training_numbers
 
-    check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, seeds=seeds)
-    if knock not in KNOCK_PRESETS:
-        raise KHAError(f"unknown knock preset {knock!r}; choose one of: {', '.join(KNOCK_PRESETS)}")
+    s = settings
+    check_training_numbers(max_steps=s.max_steps, seq_len=s.seq_len, batch_size=s.batch_size, seeds=s.seeds)
+    if s.knock not in KNOCK_PRESETS:
+        raise KHAError(f"unknown knock preset {s.knock!r}; choose one of: {', '.join(KNOCK_PRESETS)}")
+    for grid in (s.lr_grid_full, s.lr_grid_small):
+        if not grid or any(not lr > 0 for lr in grid):
+            raise KHAError(f"learning-rate grids need one or more positive rates, got {list(grid)}")
     start = time.perf_counter()
-    final = check_run_destination(output, [model, tokenizer], data, overwrite)
-    with atomic_output_dir(final, overwrite=overwrite, marker="ab") as output:
-        summary = _run(
-            model,
-            output,
-            knock,
-            max_steps,
-            seq_len,
-            batch_size,
-            lr_full,
-            lr_small,
-            data,
-            seed,
-            seeds,
-            max_eval_blocks,
-            run_eval,
-            limit,
-            tokenizer,
-            trust_remote_code,
-        )
+    final = check_run_destination(output, [s.model, s.tokenizer], s.data, overwrite)
+    with atomic_output_dir(final, overwrite=overwrite, marker="ab") as work:
+        summary = _run(s, work)
         summary["minutes"] = (time.perf_counter() - start) / 60
-        write_json(output / "summary.json", summary)
+        write_json(work / "summary.json", summary)
     print(f"wrote {final / 'loss_curves.csv'}, {final / 'loss_curves.png'}, {final / 'summary.json'}")
     return summary
 
 
-def _run(
-    model,
-    output: Path,
-    knock,
-    max_steps,
-    seq_len,
-    batch_size,
-    lr_full,
-    lr_small,
-    data,
-    seed,
-    seeds,
-    max_eval_blocks,
-    run_eval,
-    limit,
-    tokenizer,
-    trust_remote_code,
-) -> dict:
-    """The four arms over the seeds, written into OUTPUT (the run's temporary folder)."""
-    from transformers import AutoModelForCausalLM
+@dataclass
+class _Prepared:
+    base_dir: Path
+    kha_dir: Path
+    tokenizer: object
+    train: object
+    validation: object
+    heldout: object
+    other: object
+    targets: list[str]
+    rank: int
+    total_parameters: int
 
+
+def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
+    """One conversion; the data splits; the LoRA control's rank."""
     from ..conversion import convert
     from ..conversion.source import dequantize_gguf, resolve_source
     from ..modeling.modeling_kha import KHAForCausalLM
-    from ..training.data import read_documents, train_heldout_split
-    from ..training.modes import prepare_for_mode, with_lora
+    from ..training.data import OTHER_DOMAIN, other_domain_blocks, read_documents, train_validation_heldout_split
 
-    # 1. one conversion; the base arms read the same (dequantised) weights
-    source = resolve_source(model)
+    source = resolve_source(s.model)
     base_dir = source.folder
-    if find_gguf(Path(model)) is not None:
+    if find_gguf(Path(s.model)) is not None:
         base_dir = output / "base"
         print(f"dequantising {source.gguf_file.name} to {base_dir}")
         dequantize_gguf(source.gguf_file, base_dir)
     kha_dir = output / "kha"
-    print(f"converting {base_dir} to KHA ({knock}) in {kha_dir}")
-    convert(base_dir, kha_dir, knock=knock, link=True, progress=False)
-
-    tok = load_tokenizer(base_dir, tokenizer, trust_remote_code)
-    documents = read_documents(data)
-    train_set, heldout_set = train_heldout_split(documents, tok, seq_len, max_heldout_blocks=max_eval_blocks)
-    print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
-
-    def build(arm: str, run_seed: int) -> nn.Module:
-        torch.manual_seed(run_seed)  # the LoRA A matrices are random
-        if arm in ("kha-full", "kha-knocks"):
-            built = KHAForCausalLM.from_pretrained(kha_dir, dtype=torch.float32)
-            return prepare_for_mode(built, "full" if arm == "kha-full" else "knocks")
-        built = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
-        if arm == "base-full":
-            return built.requires_grad_(True)
-        return with_lora(built, targets, rank)
-
-    # 2. the matched control: LoRA rank from the knocks' parameter count
-    probe = KHAForCausalLM.from_pretrained(kha_dir, dtype=torch.float32)
-    knock_parameters = count_knock_parameters(probe)
-    targets = lora_targets(knock)
-    rank, lora_parameters = matched_lora_rank(probe, targets, knock_parameters)
-    del probe
-    mismatch = abs(lora_parameters - knock_parameters) / knock_parameters
-    print(
-        f"trainable parameters: knocks {knock_parameters:,}; LoRA r={rank} on {', '.join(targets)}: "
-        f"{lora_parameters:,} ({mismatch:.1%} apart)"
+    print(f"converting {base_dir} to KHA ({s.knock}) in {kha_dir}")
+    convert(base_dir, kha_dir, knock=s.knock, link=True, progress=False)
+    tokenizer = load_tokenizer(base_dir, s.tokenizer, s.trust_remote_code)
+    train, validation, heldout = train_validation_heldout_split(
+        read_documents(s.data), tokenizer, s.seq_len, max_eval_blocks=s.eval_blocks
     )
-    if mismatch > MATCH_TOLERANCE:
-        print(f"warning: no LoRA rank matches the knocks within {MATCH_TOLERANCE:.0%}; the control is approximate")
-
-    runs: list[ArmRun] = []
-    kept: dict[str, nn.Module] = {}
-    before: dict[str, float] = {}
-    for run_seed in range(seed, seed + seeds):
-        for arm in ARMS:
-            built = build(arm, run_seed)
-            result = train_arm(
-                built,
-                arm,
-                run_seed,
-                output / "runs" / arm,
-                train_set,
-                heldout_set,
-                max_steps,
-                batch_size,
-                lr_full if arm.endswith("-full") else lr_small,
-                measure_before=arm not in before,
-            )
-            before.setdefault(arm, result.heldout_before)
-            result.heldout_before = before[arm]
-            result.trainable_parameters = _trainable(built)
-            runs.append(result)
-            print(
-                f"seed {run_seed} {arm:>12}: held-out {result.heldout_before:.4f} -> {result.heldout_loss:.4f} "
-                f"({result.trainable_parameters:,} trainable)"
-            )
-            if run_eval and run_seed == seed:
-                kept[arm] = built.merge_and_unload() if arm == "lora-matched" else built
-
-    comparisons = [compare_arms(runs, arm, control) for arm, control in COMPARISONS]
-    summary = {
-        "model": str(model),
-        "knock": knock,
-        "steps": max_steps,
-        "seq_len": seq_len,
-        "batch_size": batch_size,
-        "lr_full": lr_full,
-        "lr_small": lr_small,
-        "seeds": list(range(seed, seed + seeds)),
-        "knock_parameters": knock_parameters,
-        "lora": {"rank": rank, "targets": targets, "parameters": lora_parameters, "relative_difference": mismatch},
-        "arms": arm_summary(runs),
-        "comparisons": comparisons,
+    other = other_domain_blocks(tokenizer, s.seq_len, s.eval_blocks)
+    print(
+        f"data: {len(train)} train / {len(validation)} validation / {len(heldout)} held-out blocks of {s.seq_len} "
+        f"tokens; other domain: {len(other)} blocks of {OTHER_DOMAIN}"
+    )
+    probe = KHAForCausalLM.from_pretrained(kha_dir, dtype=torch.float32)
+    knocks = count_knock_parameters(probe)
+    targets = lora_targets(s.knock)
+    rank, lora = matched_lora_rank(probe, targets, knocks)
+    total = sum(p.numel() for p in probe.parameters())
+    del probe
+    off = (lora - knocks) / knocks
+    s.extra["parameter_matching"] = {
+        "knock_parameters": knocks,
+        "lora_rank": rank,
+        "lora_targets": targets,
+        "lora_parameters": lora,
+        "relative_difference": off,
+        "exact": lora == knocks,
     }
-    if run_eval:
-        summary["eval"] = _evaluate_arms(kept, tok, limit, output)
+    s.extra["data"] = {
+        "train_blocks": len(train),
+        "validation_blocks": len(validation),
+        "heldout_blocks": len(heldout),
+        "other_domain_blocks": len(other),
+        "other_domain": OTHER_DOMAIN,
+    }
+    print(
+        f"trainable parameters: knocks {knocks:,}; LoRA r={rank} on {', '.join(targets)}: {lora:,} "
+        + ("(exact match)" if lora == knocks else f"({off:+.1%}: no rank matches exactly; the closest is used)")
+    )
+    return _Prepared(base_dir, kha_dir, tokenizer, train, validation, heldout, other, targets, rank, total)
+
+
+def _build(arm: str, run_seed: int, p: _Prepared, trust_remote_code: bool) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from ..modeling.modeling_kha import KHAForCausalLM
+    from ..training.modes import prepare_for_mode, with_lora
+
+    torch.manual_seed(run_seed)  # the LoRA A matrices are random
+    if arm in ("kha-full", "kha-knocks"):
+        model = KHAForCausalLM.from_pretrained(p.kha_dir, dtype=torch.float32)
+        return prepare_for_mode(model, "full" if arm == "kha-full" else "knocks")
+    model = AutoModelForCausalLM.from_pretrained(p.base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if arm == "base-full":
+        return model.requires_grad_(True)
+    return with_lora(model, p.targets, p.rank)
+
+
+def _train_and_measure(s: ContinuedAB, p: _Prepared, arm: str, run_seed: int, lr: float, output: Path) -> ArmRun:
+    """One arm at one seed and rate: trained, then its per-block losses on validation, held-out and other-domain."""
+    model = _build(arm, run_seed, p, s.trust_remote_code)
+    trainable = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    run = train_arm(
+        model,
+        arm,
+        run_seed,
+        output / "runs" / arm,
+        p.train,
+        p.validation,
+        s.max_steps,
+        s.batch_size,
+        lr,
+        measure_before=False,
+        disable_tqdm=True,
+        weight_decay=0.1 if arm.endswith("-full") else 0.0,
+    )
+    run.trainable_parameters = trainable
+    run.lr = lr
+    run.validation_loss = run.heldout_loss  # train_arm evaluated on the validation split
+    run.heldout_blocks = block_losses(model, p.heldout, s.batch_size)
+    run.other_blocks = block_losses(model, p.other, s.batch_size)
+    run.heldout_loss = sum(run.heldout_blocks) / len(run.heldout_blocks)
+    tokens = s.max_steps * s.batch_size * s.seq_len
+    # training FLOPs, estimated: forward 2N and backward 2N per token through the whole network, plus 2 per
+    # trainable parameter and token for the weight gradients (6N for full training)
+    run.flops = (4 * p.total_parameters + 2 * trainable) * tokens
+    run.model = model if s.run_eval and run_seed == s.seed else None
+    return run
+
+
+def _run(s: ContinuedAB, output: Path) -> dict:
+    p = _prepare(s, output)
+    before = {}
+    for arm in ("base-full", "kha-full"):  # the adapter arms start from the same two models
+        model = _build(arm, s.seed, p, s.trust_remote_code)
+        before[arm] = {
+            "heldout": block_losses(model, p.heldout, s.batch_size),
+            "other": block_losses(model, p.other, s.batch_size),
+        }
+        del model
+    before["kha-knocks"], before["lora-matched"] = before["kha-full"], before["base-full"]
+
+    # 1. each arm's rate, chosen on the validation split at the first seed
+    tuning: dict[str, list[dict]] = {}
+    chosen: dict[str, ArmRun] = {}
+    for arm in ARMS:
+        for lr in s.grid(arm):
+            run = _train_and_measure(s, p, arm, s.seed, lr, output)
+            tuning.setdefault(arm, []).append({"lr": lr, "validation_loss": run.validation_loss})
+            print(f"tuning {arm:>12} lr {lr:g}: validation loss {run.validation_loss:.4f}")
+            if arm not in chosen or run.validation_loss < chosen[arm].validation_loss:
+                chosen[arm] = run
+    best = {arm: run.lr for arm, run in chosen.items()}
+    print("chosen learning rates (validation split): " + ", ".join(f"{a} {lr:g}" for a, lr in best.items()))
+
+    # 2. every arm at its rate, over the seeds (the first seed's runs are the tuning runs at the chosen rate)
+    runs: list[ArmRun] = list(chosen.values())
+    for run_seed in range(s.seed + 1, s.seed + s.seeds):
+        for arm in ARMS:
+            run = _train_and_measure(s, p, arm, run_seed, best[arm], output)
+            runs.append(run)
+            print(
+                f"seed {run_seed} {arm:>12}: held-out {run.heldout_loss:.4f}, other domain "
+                f"{sum(run.other_blocks) / len(run.other_blocks):.4f} ({run.wall_seconds:.0f} s)"
+            )
+
+    summary = {
+        "model": str(s.model),
+        "knock": s.knock,
+        "steps": s.max_steps,
+        "seq_len": s.seq_len,
+        "batch_size": s.batch_size,
+        "training_tokens_per_run": s.max_steps * s.batch_size * s.seq_len,
+        "seeds": list(range(s.seed, s.seed + s.seeds)),
+        "varies_per_seed": "the data order (which training blocks form each batch and their order) and the LoRA's "
+        "random initialisation; every arm starts from the same pretrained weights",
+        "lr_grids": {"full": list(s.lr_grid_full), "adapters": list(s.lr_grid_small)},
+        "tuning": tuning,
+        "chosen_lr": best,
+        **s.extra,
+        "arms": _arm_table(runs, before),
+        "comparisons": [_compare(runs, arm, control) for arm, control in COMPARISONS],
+    }
     write_curves_csv(runs, output / "loss_curves.csv")
-    plot_mean_curves(runs, output / "loss_curves.png", f"continued training from {Path(str(model)).name}")
-    print(f"\n{'arm':>12} {'held-out before':>16} {'after (mean)':>13}")
-    for arm, entry in summary["arms"].items():
-        print(f"{arm:>12} {entry['heldout_before_mean']:>16.4f} {entry['heldout_loss_mean']:>13.4f}")
-    for comparison in comparisons:
-        print_comparison(comparison)
+    plot_mean_curves(runs, output / "loss_curves.png", f"continued training from {Path(str(s.model)).name}")
+    _print_report(summary)
+    if s.run_eval:
+        summary["eval"] = _evaluate_arms(
+            {r.arm: r.model for r in runs if r.model is not None}, p.tokenizer, s.limit, output
+        )
     return summary
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values)
+
+
+def _arm_table(runs: list[ArmRun], before: dict) -> dict:
+    arms = {}
+    for arm in ARMS:
+        mine = [r for r in runs if r.arm == arm]
+        forgetting = [[a - b for a, b in zip(r.other_blocks, before[arm]["other"], strict=True)] for r in mine]
+        arms[arm] = {
+            "lr": mine[0].lr,
+            "trainable_parameters": mine[0].trainable_parameters,
+            "training_flops_estimate": mine[0].flops,
+            "wall_seconds": [r.wall_seconds for r in mine],
+            "heldout_before": _mean(before[arm]["heldout"]),
+            "heldout_after_mean": _mean([r.heldout_loss for r in mine]),
+            "other_domain_before": _mean(before[arm]["other"]),
+            "other_domain_after_mean": _mean([_mean(r.other_blocks) for r in mine]),
+            "forgetting": two_level_bootstrap(forgetting),  # other-domain loss after − before, per seed and block
+            "per_seed": [
+                {
+                    "seed": r.seed,
+                    "heldout": r.heldout_loss,
+                    "other_domain": _mean(r.other_blocks),
+                    "validation": r.validation_loss,
+                }
+                for r in mine
+            ],
+        }
+    return arms
+
+
+def _compare(runs: list[ArmRun], arm: str, control: str) -> dict:
+    """ARM − CONTROL on the held-out and the other-domain blocks, paired per seed and block."""
+    by = {(r.arm, r.seed): r for r in runs}
+    seeds = sorted(r.seed for r in runs if r.arm == arm and (control, r.seed) in by)
+    result = {"arm": arm, "control": control}
+    for split, attribute in (("heldout", "heldout_blocks"), ("other_domain", "other_blocks")):
+        deltas = [
+            [a - b for a, b in zip(getattr(by[(arm, s)], attribute), getattr(by[(control, s)], attribute), strict=True)]
+            for s in seeds
+        ]
+        result[split] = {
+            **two_level_bootstrap(deltas),
+            "over_seeds_only": seed_interval([_mean(d) for d in deltas]),
+            "per_seed": [{"seed": s, "delta": _mean(d)} for s, d in zip(seeds, deltas, strict=True)],
+        }
+    return result
+
+
+def _interval(entry: dict) -> str:
+    low_high = entry["ci95"]
+    if low_high is None:
+        return f"{entry['delta_mean']:+.4f} (no interval: one seed)"
+    verdict = "excludes 0" if entry["excludes_zero"] else "includes 0"
+    return f"{entry['delta_mean']:+.4f} [{low_high[0]:+.4f}, {low_high[1]:+.4f}] ({verdict})"
+
+
+def _print_report(summary: dict) -> None:
+    print(
+        f"\n{'arm':>12} {'lr':>8} {'trainable':>12} {'held-out before → after':>25} {'other domain before → after':>29}"
+    )
+    for arm, a in summary["arms"].items():
+        print(
+            f"{arm:>12} {a['lr']:>8g} {a['trainable_parameters']:>12,} "
+            f"{a['heldout_before']:>11.4f} → {a['heldout_after_mean']:<11.4f} "
+            f"{a['other_domain_before']:>13.4f} → {a['other_domain_after_mean']:.4f}"
+        )
+    for c in summary["comparisons"]:
+        print(
+            f"Δ ({c['arm']} − {c['control']}), held-out: {_interval(c['heldout'])}; "
+            f"other domain: {_interval(c['other_domain'])}"
+        )
 
 
 def _evaluate_arms(models: dict, tokenizer, limit: int, output: Path) -> list[dict]:
     """The quick suite on the first seed's models; paired statistics for each comparison."""
     from lm_eval.tasks import TaskManager
 
-    from ..eval.compare import comparison_rows, evaluate_loaded, markdown_table
+    from ..eval.compare import evaluate_loaded
+    from ..eval.paired import comparison_rows, markdown_table
     from ..eval.suites import SUITES
 
     task_manager = TaskManager()
     results = {
         arm: evaluate_loaded(
-            arm, arm, model.eval(), tokenizer, SUITES["quick"], True, limit, None, 8, "cpu", 1234, task_manager
+            arm,
+            arm,
+            (model.merge_and_unload() if arm == "lora-matched" else model).eval(),
+            tokenizer,
+            SUITES["quick"],
+            True,
+            limit,
+            None,
+            8,
+            "cpu",
+            1234,
+            task_manager,
         )
         for arm, model in models.items()
     }

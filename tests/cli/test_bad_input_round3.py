@@ -73,7 +73,7 @@ def test_config_values_are_checked_against_the_weights_before_loading(llama, tmp
     edit_config(kha, **changes)
     for argv, command in (
         (["verify", str(llama), str(kha)], "verify"),
-        (["eval", "--candidate", str(kha), "--tasks", "arc_easy"], "eval"),
+        (["eval", "--candidate", str(kha), "--tasks", "arc_easy", "--output", str(tmp_path / "e")], "eval"),
         (["train", str(kha), "--output", str(tmp_path / "o")], "train"),
         (["serve", str(kha)], "serve"),
     ):

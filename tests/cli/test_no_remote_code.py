@@ -52,7 +52,18 @@ def test_cli_does_not_run_folder_code_without_the_flag(tmp_path, capsys, command
     save_tiny_tokenizer(kha)
     argv = {
         "verify": ["verify", str(folder), str(kha)],
-        "eval": ["eval", "--candidate", str(folder), "--tasks", "arc_easy", "--local-data", "--limit", "1"],
+        "eval": [
+            "eval",
+            "--candidate",
+            str(folder),
+            "--tasks",
+            "arc_easy",
+            "--local-data",
+            "--limit",
+            "1",
+            "--output",
+            str(tmp_path / "eval"),
+        ],
     }[command]
     capsys.readouterr()
     assert main(argv) == 2

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kha_hf.common.errors import KHAError
-from kha_hf.eval.compare import ModelResult, comparison_rows, markdown_table, summarize
+from kha_hf.eval.compare import ModelResult, requested_groups, summarize
 from kha_hf.eval.local_tasks import LOCAL_TASK_NAMES, local_task_configs
+from kha_hf.eval.paired import comparison_rows, markdown_table
 from kha_hf.eval.perplexity import strided_perplexity
 from kha_hf.eval.suites import SUITES, resolve_tasks
 
@@ -74,10 +75,10 @@ def test_summary_aggregates_groups_and_table_shows_paired_statistics():
 
     # t: the candidate fixes 9 documents and breaks 1 (McNemar p = 2 * 11/1024); u: 3 fixed, 3 broken (p = 1)
     docs = [("t", i) for i in range(40)]
-    b_t = {d: float(i < 20) for i, d in enumerate(docs)}
-    c_t = {d: float(i < 20 and i != 0 or 20 <= i < 29) for i, d in enumerate(docs)}
-    b_u = {d: float(i < 10) for i, d in enumerate(docs)}
-    c_u = {d: float(3 <= i < 13) for i, d in enumerate(docs)}
+    b_t = {d: (float(i < 20), f"h{i}") for i, d in enumerate(docs)}
+    c_t = {d: (float(i < 20 and i != 0 or 20 <= i < 29), f"h{i}") for i, d in enumerate(docs)}
+    b_u = {d: (float(i < 10), f"h{i}") for i, d in enumerate(docs)}
+    c_u = {d: (float(3 <= i < 13), f"h{i}") for i, d in enumerate(docs)}
     base = ModelResult("baseline", "a", {("t", "acc"): (0.50, 0.08), ("u", "acc"): (0.25, 0.07)})
     cand = ModelResult("candidate", "b", {("t", "acc"): (0.70, 0.07), ("u", "acc"): (0.25, 0.07)})
     base.per_doc = {("t", "acc"): b_t, ("u", "acc"): b_u}
@@ -86,12 +87,24 @@ def test_summary_aggregates_groups_and_table_shows_paired_statistics():
     t, u = rows["t"]["paired"], rows["u"]["paired"]
     assert t["delta"] == pytest.approx(0.2) and t["n"] == 40 and t["discordant"] == 10
     assert t["p_value"] == pytest.approx(2 * 11 / 1024) and rows["t"]["significant"]
+    assert t["p_holm"] == pytest.approx(2 * 2 * 11 / 1024)  # Holm over the two rows: the smallest p times 2
     assert u["delta"] == 0 and u["p_value"] == 1 and not rows["u"]["significant"]
     table = markdown_table(list(rows.values()), base, cand)
     low, high = t["ci95"]
-    assert f"| t | acc | 0.5000 ± 0.0800 | 0.7000 ± 0.0700 | +0.2000 [{low:+.4f}, {high:+.4f}] | 0.0215 | 40 |" in table
+    row = f"| t | acc | 0.5000 ± 0.0800 | 0.7000 ± 0.0700 | +0.2000 [{low:+.4f}, {high:+.4f}] | 0.0215 | 0.043 ✓ | 40 |"
+    assert row in table
     single = markdown_table(comparison_rows(None, cand), None, cand)
     assert single.splitlines()[0] == "| task | metric | candidate |"
+
+
+def test_online_groups_are_pooled_over_their_leaf_tasks():
+    subtasks = {
+        "mmlu": ["mmlu_stem", "mmlu_humanities"],
+        "mmlu_stem": ["mmlu_physics", "mmlu_math"],
+        "mmlu_humanities": ["mmlu_law"],
+    }
+    groups = requested_groups(subtasks, ["mmlu", "arc_easy"])
+    assert groups == {"mmlu": ["mmlu_physics", "mmlu_math", "mmlu_law"]}
 
 
 def test_strided_perplexity_matches_a_full_window_forward():
@@ -148,13 +161,18 @@ def test_smollm2_and_its_kha_conversion_score_identically(tmp_path, capsys):
     for row in rows:
         assert row["baseline"] == row["candidate"] and row["delta"] == 0 and not row["significant"], row
         paired = row["paired"]
-        assert paired["delta"] == 0 and paired["ci95"] == [0, 0] and paired["p_value"] == 1, paired
-        assert paired["n"] == 8 and paired["discordant"] == 0
+        assert paired["delta"] == 0 and paired["ci95"] is None and paired["p_value"] == 1, paired
+        assert paired["n"] == 8 and paired["discordant"] == 0 and paired["p_holm"] == 1
     ppl = summary["perplexity"]
     assert ppl["baseline"]["perplexity"] == ppl["candidate"]["perplexity"] > 1
     table = (tmp_path / "eval" / "table.md").read_text()
     assert "| arc_easy | acc |" in table and "| copa | acc |" in table
-    assert "+0.0000 [+0.0000, +0.0000] | 1 | 8 |" in table
+    assert "+0.0000 [–] | 1 | 1 | 8 |" in table
+    records = [json.loads(line) for line in (tmp_path / "eval" / "per_document.jsonl").read_text().splitlines()]
+    assert len(records) == sum(r["paired"]["n"] for r in rows) and all(r["doc_hash"] for r in records)
+    capsys.readouterr()
+    assert main(["eval", "--recompute", str(tmp_path / "eval")]) == 0
+    assert "every paired statistic equals" in capsys.readouterr().out
     raw = json.loads((tmp_path / "eval" / "candidate_lm_eval.json").read_text())
     assert raw["results"]["arc_easy"]["sample_len"] == 8 and "n-samples" in raw
     assert summary["local_data_notes"] == {"arc_easy": "validation split (standard: test)"}

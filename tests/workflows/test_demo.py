@@ -59,11 +59,13 @@ def test_demo_trains_knocks_and_a_matched_lora_control(demo_run):
     table = (out / "comparison.md").read_text()
     assert f"| KHA, knocks trained | {params['kha-knocks']:,} |" in table
     assert "| control: LoRA r=8 on v_proj | 2,304 |" in table
-    assert "cannot show" in table  # the sentence on what this run can and cannot show
+    assert "The control is not tuned here" in table and "kha ab --from" in table  # what this run cannot show
+    assert "the same number of new parameters" in table  # exact for mlp_v
+    assert "| Holm p |" in table and "survive Holm's correction" in table
     for name in ("kha-knocks", "lora"):
         rows = summary["rows"][name]
         assert {r["task"] for r in rows} == {"arc_easy", "piqa", "copa", "winogrande"}
-        assert all(r["paired"]["n"] == 3 for r in rows)
+        assert all(r["paired"]["n"] == 3 and "p_holm" in r["paired"] for r in rows)
     assert summary["heldout_loss"]["base"] != summary["heldout_loss"]["kha-knocks"]
 
 
