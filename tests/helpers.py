@@ -135,11 +135,29 @@ ALL_FAMILIES = FAMILIES + sorted(OTHER_FAMILIES)
 MLA_FAMILIES = {"deepseek_v3"}
 
 
-def tiny_config(name: str) -> PreTrainedConfig:
-    """A fresh tiny config of family (or variant) NAME: one of ALL_FAMILIES."""
+def tiny_config(name: str, **overrides) -> PreTrainedConfig:
+    """A fresh tiny config of family (or variant) NAME, one of ALL_FAMILIES, with OVERRIDES set."""
     if name in OTHER_FAMILIES:
-        return CONFIG_MAPPING[name](**{**COMMON, **OTHER_FAMILIES[name]})
-    return copy.deepcopy(tiny_configs()[name])
+        config = CONFIG_MAPPING[name](**{**COMMON, **OTHER_FAMILIES[name]})
+    else:
+        config = copy.deepcopy(tiny_configs()[name])
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def save_tiny_checkpoint(folder, family: str = "llama", knock: str | None = None, seed: int = 0, **overrides):
+    """A tiny random checkpoint of FAMILY with the tiny tokenizer (vocabulary 300, so every token id fits), stock
+    or, with KNOCK, converted in memory to KHA with that preset; returns the model saved."""
+    from kha_hf import KHAForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **{"vocab_size": 300, **overrides}))
+    if knock is not None:
+        model = KHAForCausalLM.from_base(model, knock=knock)
+    model.save_pretrained(folder)
+    save_tiny_tokenizer(folder)
+    return model
 
 
 def tiny_base_model(name: str, attn_implementation: str = "eager", seed: int = 0):

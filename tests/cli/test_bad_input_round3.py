@@ -18,7 +18,7 @@ from kha_hf.cli import main
 from kha_hf.conversion import convert
 from tests.cli.test_bad_input import one_line_error
 from tests.conversion.test_convert import make_checkpoint
-from tests.helpers import save_tiny_tokenizer, tiny_base_model
+from tests.helpers import save_tiny_checkpoint, save_tiny_tokenizer, tiny_base_model
 
 KNOCKS = "model-kha-knocks.safetensors"
 
@@ -230,19 +230,7 @@ def test_disk_full_names_the_destination_not_the_source(llama, tmp_path, capsys,
 @pytest.fixture
 def trainable(tmp_path) -> Path:
     """A tiny KHA model whose vocabulary covers the tiny tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    KHAForCausalLM.from_base(AutoModelForCausalLM.from_config(config)).save_pretrained(tmp_path / "trainable")
-    save_tiny_tokenizer(tmp_path / "trainable")
+    save_tiny_checkpoint(tmp_path / "trainable", knock="mlp_v")
     return tmp_path / "trainable"
 
 

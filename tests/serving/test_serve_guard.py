@@ -14,13 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer
 
 from kha_hf import KHAForCausalLM
 from kha_hf.serving.guard import RequestRegistry, ServeGuard, ServeLimits
 from kha_hf.serving.server import start_server
-from tests.helpers import save_tiny_tokenizer
+from tests.helpers import save_tiny_checkpoint
 
 pytest.importorskip("fastapi")
 
@@ -38,22 +37,10 @@ def free_port() -> int:
 
 
 def tiny_kha(folder, max_positions: int, eos: bool = True) -> None:
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = KHAForCausalLM.from_base(AutoModelForCausalLM.from_config(config))
+    model = save_tiny_checkpoint(folder, knock="mlp_v", max_position_embeddings=max_positions)
     if not eos:  # generation never stops early: it runs to max_new_tokens
         model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    save_tiny_tokenizer(folder)
+        model.generation_config.save_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)

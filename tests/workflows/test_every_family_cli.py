@@ -12,11 +12,9 @@ import socket
 
 import pytest
 import requests
-import torch
-from transformers import AutoModelForCausalLM
 
 from kha_hf.cli import main
-from tests.helpers import ALL_FAMILIES, MLA_FAMILIES, save_tiny_tokenizer, tiny_config
+from tests.helpers import ALL_FAMILIES, MLA_FAMILIES, save_tiny_checkpoint
 
 FAMILIES = [f for f in ALL_FAMILIES if f != "llama_bias"]
 
@@ -28,14 +26,6 @@ def task_manager():
     return TaskManager()
 
 
-def _stock_checkpoint(family: str, folder) -> None:
-    config = tiny_config(family)
-    config.vocab_size = 300
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    save_tiny_tokenizer(folder)
-
-
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -45,7 +35,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_command_on_every_family(family, tmp_path, task_manager, capsys):
     base, kha, linear = tmp_path / "base", tmp_path / "kha", tmp_path / "linear"
-    _stock_checkpoint(family, base)
+    save_tiny_checkpoint(base, family)
     preset = "linear_v" if family in MLA_FAMILIES else "mlp_v"
     assert main(["convert", str(base), str(kha), "--knock", preset, "--verify"]) == 0
     assert "verified: the KHA checkpoint reproduces its base model" in capsys.readouterr().out
