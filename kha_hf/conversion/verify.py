@@ -30,11 +30,16 @@ class VerifyReport:
         return self.max_abs_diff <= self.tolerance and self.base_tokens == self.kha_tokens
 
 
-def compare_models(base_model, kha_model, tokenizer, prompts=PROMPTS, max_new_tokens: int = 16) -> tuple:
-    """Max |Δlogit| over the prompts and each model's greedy continuation tokens."""
+def compare_models(base_model, kha_model, tokenizer, prompts=PROMPTS, max_new_tokens: int = 16, echo=None) -> tuple:
+    """Max |Δlogit| over the prompts and each model's greedy continuation tokens.
+
+    `echo`, when given, gets one line per prompt before it runs: a large model on CPU takes seconds per prompt.
+    """
     max_diff, base_tokens, kha_tokens = 0.0, [], []
     device = next(kha_model.parameters()).device
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts, 1):
+        if echo is not None:
+            echo(f"verifying prompt {i}/{len(prompts)}: logits and {max_new_tokens} greedy tokens of both models")
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
         with torch.no_grad():
             diff = (kha_model(ids).logits.double() - base_model(ids).logits.double()).abs().max().item()
@@ -84,7 +89,9 @@ def verify_conversion(
     kha_model, tokenizer = load_causal_lm(kha_dir, dtype, device, attn_implementation="eager", tokenizer=tokenizer)
     if getattr(kha_model.config, "model_type", None) != "kha":
         raise KHAError(f"{kha_dir} is not a KHA checkpoint")
-    max_diff, base_tokens, kha_tokens = compare_models(base_model, kha_model, tokenizer, prompts, max_new_tokens)
+    max_diff, base_tokens, kha_tokens = compare_models(
+        base_model, kha_model, tokenizer, prompts, max_new_tokens, echo=echo
+    )
     report = VerifyReport(max_diff, TOLERANCE[torch_dtype(dtype)], base_tokens, kha_tokens)
     echo(f"max |Δlogit| over {len(prompts)} prompts ({dtype}, {device}): {max_diff:.3e} (tolerance {report.tolerance})")
     for prompt, b, k in zip(prompts, base_tokens, kha_tokens, strict=True):

@@ -254,6 +254,7 @@ def run_eval(
         metric = load_evaluate_metric([r for r in (baseline, candidate) if r])
     from lm_eval.tasks import TaskManager
 
+    print("indexing lm-eval's task registry (once; takes a few seconds)", flush=True)
     shared = dict(perplexity_metric=metric, task_manager=TaskManager(), trust_remote_code=trust_remote_code)
     base_result = evaluate_model("baseline", baseline, **settings, **shared) if baseline else None
     cand_result = evaluate_model("candidate", candidate, **settings, **shared)

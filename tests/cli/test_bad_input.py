@@ -9,7 +9,7 @@ import pytest
 import kha_hf.common.paths as paths
 from kha_hf.cli import main
 from tests.conversion.test_convert import make_checkpoint
-from tests.helpers import tiny_base_model
+from tests.helpers import run_python, tiny_base_model
 
 
 def one_line_error(capsys, argv, command: str) -> str:
@@ -165,3 +165,17 @@ def test_missing_relative_path_under_an_existing_folder_is_not_a_hub_id(llama, t
     (tmp_path / "data").mkdir()
     err = one_line_error(capsys, ["train", str(llama), "--output", "o", "--data", "data/corpus"], "train")
     assert "no such file or folder" in err
+
+
+def test_unreachable_hub_says_offline_and_how(tmp_path):
+    # a real connection failure (nothing listens on port 9), not a mocked exception: the hint must survive
+    # huggingface_hub wrapping the httpx ConnectError in LocalEntryNotFoundError
+    argv = ["convert", "someone/some-model", str(tmp_path / "out")]
+    script = f"import sys\nfrom kha_hf.cli import main\nsys.exit(main({argv!r}))"
+    done = run_python(
+        script, tmp_path, without_kha_hf=False, env={"HF_HUB_OFFLINE": None, "HF_ENDPOINT": "http://127.0.0.1:9"}
+    )
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr
+    assert "cannot fetch 'someone/some-model'" in err[0] and "offline? set HF_HUB_OFFLINE=1" in err[0], err[0]
+    assert not (tmp_path / "out").exists()

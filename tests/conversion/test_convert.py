@@ -139,7 +139,7 @@ def test_existing_dst_refused_then_overwritten(sharded_llama, tmp_path):
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
     (dst / "config.json").write_text("{}")  # a checkpoint folder: --overwrite may replace it
-    with pytest.raises(KHAError, match="already exists.*--overwrite"):
+    with pytest.raises(KHAError, match=r"already exists.*--overwrite \(overwrite=True from Python\)"):
         convert(src, dst, progress=False)
     assert (dst / "keep.txt").read_text() == "mine"
     convert(src, dst, overwrite=True, progress=False)
@@ -323,7 +323,8 @@ def test_verify_passes_for_conversion_and_fails_for_changed_knocks(sharded_llama
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="w2").save_pretrained(src)
     out = convert(src, tmp_path / "out", knock="linear_qkv", verify=True, progress=False).output
-    assert "max |Δlogit|" in capsys.readouterr().out
+    said = capsys.readouterr().out  # a line before each phase: loading, and each prompt (seconds each when large)
+    assert "verifying: loading" in said and "verifying prompt 3/3" in said and "max |Δlogit|" in said
     assert main(["verify", str(src), str(out)]) == 0
     assert "0.000e+00" in capsys.readouterr().out
     knocks = load_file(out / KNOCKS_FILE)
@@ -335,11 +336,13 @@ def test_verify_passes_for_conversion_and_fails_for_changed_knocks(sharded_llama
 
 
 @pytest.mark.slow
-def test_real_smollm2_gguf_converts_with_identical_logits(tmp_path):
+def test_real_smollm2_gguf_converts_with_identical_logits(tmp_path, capsys):
     from kha_hf.common.assets import smollm2_gguf
 
     gguf = smollm2_gguf()
-    out = convert(gguf, tmp_path / "smollm2-kha", knock="mlp_v", verify=True, progress=False).output
+    out = convert(gguf, tmp_path / "smollm2-kha", knock="mlp_v", verify=True, progress=True).output
+    said = capsys.readouterr().out  # what the CLI prints: the GGUF is dequantised once, verify says what it does
+    assert said.count("dequantising") == 1 and "verifying: loading" in said and "verified" in said, said
     config = json.loads((out / "config.json").read_text())
     assert config["base_model_type"] == "llama" and config["num_hidden_layers"] == 30
     assert config["num_attention_heads"] == 9 and config["num_key_value_heads"] == 3

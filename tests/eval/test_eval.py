@@ -191,3 +191,27 @@ def test_only_the_expected_lm_eval_warnings_are_silenced(caplog):
     assert [r.getMessage() for r in caplog.records] == ["something real went wrong"]
     logger.warning("[Task: copa] metric acc is defined, but aggregation is not.")  # outside: shown again
     assert len(caplog.records) == 2
+
+
+def test_lm_eval_s_already_initialized_model_warning_is_silenced_at_our_call(caplog, tmp_path):
+    # lm-eval 0.4.13 warns once per HFLM built from a model object, which is how kha eval hands it models; the
+    # filter must still match what lm-eval prints (a changed wording would make the line reappear)
+    import logging
+
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from kha_hf.eval.quiet import quiet_lm_eval
+    from tests.helpers import save_tiny_tokenizer, tiny_config
+
+    model = LlamaForCausalLM(tiny_config("llama")).eval()
+    save_tiny_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    with caplog.at_level(logging.INFO):
+        HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu")
+    assert any("already-initialized model" in r.getMessage() for r in caplog.records), "upstream wording changed"
+    caplog.clear()
+    with caplog.at_level(logging.INFO), quiet_lm_eval():
+        HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu")
+    shown = [r.getMessage() for r in caplog.records]
+    assert not any("already-initialized model" in m or "is not of type `str`" in m for m in shown), shown

@@ -80,6 +80,32 @@ def test_lora_mode_saves_adapter_that_reloads_exactly_and_merges(corpus, kha_dir
         base = KHAForCausalLM.from_pretrained(kha_dir)(ids).logits
     assert (merged - adapter_logits).abs().max() < 1e-4, "merged checkpoint differs from base + adapter"
     assert (adapter_logits - base).abs().max() > 1e-4, "LoRA training changed nothing"
+    # lora mode trains the knocks in full beside the adapters: their distance is reported
+    assert all("knock_distance" in h for h in result.log_history if "loss" in h)
+
+
+def test_a_run_that_trains_no_knocks_logs_no_knock_distance(tmp_path):
+    # the A/B's LoRA control (stock model + adapters) used to log "knock distance 0.0000" at every step
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3ForCausalLM
+
+    from kha_hf.training.train import paper_training_arguments
+    from kha_hf.training.trainer import KHATrainer
+
+    control = get_peft_model(Qwen3ForCausalLM(tiny_qwen3(512)), LoraConfig(r=4, target_modules=["v_proj"]))
+    knocked = KHAForCausalLM.from_base(Qwen3ForCausalLM(tiny_qwen3(512)), knock="mlp_v")
+    for model, expected in ((control, False), (knocked, True)):
+        trainer = KHATrainer(model=model, args=paper_training_arguments(tmp_path, max_steps=1))
+        trainer.log({"loss": 1.0})
+        assert ("knock_distance" in trainer.state.log_history[-1]) is expected
+
+
+def test_progress_bars_are_labelled(corpus, kha_dir, tmp_path, capsys):
+    data, _ = corpus
+    steps = dict(STEPS, disable_tqdm=False)
+    train(kha_dir, tmp_path / "bars", data=[str(data)], mode="knocks", max_steps=2, eval_before=True, **steps)
+    err = capsys.readouterr().err
+    assert "training: " in err and "held-out eval: " in err, err[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["knocks", "lora"])
