@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -196,6 +197,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 0.0
     diff = (actual.double() - expected.double()).abs()
     ok = torch.equal(actual, expected) if atol == 0 else bool(diff.max() <= atol)
     assert ok, f"{what}: max |diff| {diff.max().item():.3e}, mean {diff.mean().item():.3e} (atol {atol})"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def save_tiny_tokenizer(folder) -> None:

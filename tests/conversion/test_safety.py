@@ -8,6 +8,7 @@ and stale temporary folders.
 import json
 import os
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -301,7 +302,15 @@ def test_signals_remove_the_temporary_folder(src, tmp_path, signame):
         raise SystemExit(main(["convert", {str(src)!r}, {str(tmp_path / "out")!r}]))
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    # A shell starts background jobs with SIGINT ignored, and Python then installs no KeyboardInterrupt handler:
+    # start the child with the default disposition, as a terminal's foreground `kha convert` has it.
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert result.returncode == 130, result.stderr
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")], "temporary folder left behind"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +18,7 @@ from transformers import AutoTokenizer
 from kha_hf import KHAForCausalLM
 from kha_hf.serving.guard import RequestRegistry, ServeGuard, ServeLimits
 from kha_hf.serving.server import start_server
-from tests.helpers import save_tiny_checkpoint
+from tests.helpers import free_port, save_tiny_checkpoint
 
 pytest.importorskip("fastapi")
 
@@ -28,12 +27,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 LIMIT = 32  # the servers' --max-new-tokens
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def tiny_kha(folder, max_positions: int, eos: bool = True) -> None:

@@ -53,6 +53,12 @@ def tiny_base(tmp_path_factory):
     return root
 
 
+def tiny_settings(tiny_base, **overrides) -> ContinuedAB:
+    """One seed of a few steps on the tiny model and its text (the full-training grid: one rate)."""
+    settings = dict(max_steps=2, seq_len=32, batch_size=2, seeds=1, lr_grid_full=(1e-4,), lr_grid_small=(1e-3,))
+    return ContinuedAB(str(tiny_base / "base"), data=[str(tiny_base / "data.md")], **{**settings, **overrides})
+
+
 def test_continued_ab_tunes_each_arm_and_reports_paired_intervals(tiny_base, tmp_path, capsys):
     argv = ["ab", "--from", str(tiny_base / "base"), "--output", str(tmp_path / "out"), "--seeds", "2"]
     argv += ["--max-steps", "3", "--seq-len", "32", "--batch-size", "2", "--data", str(tiny_base / "data.md")]
@@ -115,16 +121,7 @@ def test_the_learning_rate_choice_ignores_the_heldout_split(tiny_base, tmp_path,
     for name in ("clean", "poisoned"):
         if name == "poisoned":
             monkeypatch.setattr(data_module, "train_validation_heldout_split", poisoned_split)
-        settings = ContinuedAB(
-            str(tiny_base / "base"),
-            max_steps=3,
-            seq_len=32,
-            batch_size=2,
-            seeds=1,
-            data=[str(tiny_base / "data.md")],
-            lr_grid_full=(1e-4,),
-            lr_grid_small=(1e-3, 3e-2),
-        )
+        settings = tiny_settings(tiny_base, max_steps=3, lr_grid_small=(1e-3, 3e-2))
         results.append(continued_ab(settings, output=tmp_path / name))
     clean, poisoned = results
     assert clean["chosen_lr"] == poisoned["chosen_lr"]
@@ -133,18 +130,7 @@ def test_the_learning_rate_choice_ignores_the_heldout_split(tiny_base, tmp_path,
 
 
 def test_continued_ab_eval_adds_paired_downstream_statistics(tiny_base, tmp_path):
-    settings = ContinuedAB(
-        str(tiny_base / "base"),
-        max_steps=2,
-        seq_len=32,
-        batch_size=2,
-        seeds=1,
-        data=[str(tiny_base / "data.md")],
-        lr_grid_full=(1e-4,),
-        lr_grid_small=(1e-3,),
-        run_eval=True,
-        limit=2,
-    )
+    settings = tiny_settings(tiny_base, max_steps=2, lr_grid_small=(1e-3,), run_eval=True, limit=2)
     summary = continued_ab(settings, output=tmp_path / "out")
     pairs = {(e["arm"], e["control"]): e["rows"] for e in summary["eval"]}
     assert set(pairs) == {("kha-full", "base-full"), ("kha-knocks", "lora-matched")}

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from kha_hf import KHAForCausalLM
+from tests.helpers import free_port
 
 TOLERANCE = 1e-4  # per logged loss: the same batches, reduced in another order
 FSDP_CONFIG = """compute_environment: LOCAL_MACHINE
@@ -31,14 +32,6 @@ fsdp_config:
   fsdp_cpu_ram_efficient_loading: false
   fsdp_reshard_after_forward: true
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def kha_train(args: list[str], launcher: list[str], tmp_path) -> subprocess.CompletedProcess:

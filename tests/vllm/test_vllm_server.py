@@ -13,7 +13,6 @@ own single-request answer (continuous batching). Bounded: a handful of requests,
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kha_hf.cli import main
+from tests.helpers import free_port
 from tests.vllm.test_vllm_backend import perturbed_copy
 
 openai = pytest.importorskip("openai")
@@ -28,12 +28,6 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "Write a haiku about rain.", "def add(a, b):", "Knocking heads attention"]
 MAX_TOKENS = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +41,7 @@ def kha_folder(smollm2_plain, tmp_path_factory):
 @pytest.fixture(scope="module")
 def vllm_server(vllm_env, kha_folder, tmp_path_factory):
     """`vllm serve` in the vLLM environment; yields its base URL."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HOME": str(log.parent / "hf")}
     env.pop("HF_MODULES_CACHE", None)
@@ -99,7 +93,7 @@ def vllm_server(vllm_env, kha_folder, tmp_path_factory):
 def kha_server(kha_folder):
     from kha_hf.serving.server import start_server
 
-    port = _free_port()
+    port = free_port()
     server = start_server(str(kha_folder), port=port, device="cpu", dtype="float32")
     yield f"http://127.0.0.1:{port}/v1"
     server.kill_server()

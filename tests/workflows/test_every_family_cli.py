@@ -8,13 +8,12 @@ and one request, to keep the run short).
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import requests
 
 from kha_hf.cli import main
-from tests.helpers import ALL_FAMILIES, MLA_FAMILIES, save_tiny_checkpoint
+from tests.helpers import ALL_FAMILIES, MLA_FAMILIES, free_port, save_tiny_checkpoint
 
 FAMILIES = [f for f in ALL_FAMILIES if f != "llama_bias"]
 
@@ -24,12 +23,6 @@ def task_manager():
     from lm_eval.tasks import TaskManager
 
     return TaskManager()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -75,7 +68,7 @@ def test_every_command_on_every_family(family, tmp_path, task_manager, capsys):
 
     from kha_hf.serving.server import start_server
 
-    port = _free_port()
+    port = free_port()
     server = start_server(str(kha), port=port, device="cpu", dtype="float32")
     try:
         reply = requests.post(
