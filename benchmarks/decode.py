@@ -39,7 +39,7 @@ def folded_copy(kha_linear, base_cls):
 def prefill_fn(model, prompt):
     def run():
         with torch.no_grad():
-            model(prompt, past_key_values=DynamicCache(config=model.config), use_cache=True)
+            model(prompt, cache=DynamicCache(config=model.config), use_cache=True)
 
     return run
 
@@ -47,8 +47,8 @@ def prefill_fn(model, prompt):
 def decode_fn(model, prompt, steps: int):
     """Prefill once (untimed), then time `steps` single-token steps per call (cache rebuilt from a copy)."""
     with torch.no_grad():
-        out = model(prompt, past_key_values=DynamicCache(config=model.config), use_cache=True)
-    prefix_cache = out.past_key_values
+        out = model(prompt, cache=DynamicCache(config=model.config), use_cache=True)
+    prefix_cache = out.cache
     token = out.logits[:, -1:].argmax(-1)
 
     def run():
@@ -56,7 +56,7 @@ def decode_fn(model, prompt, steps: int):
         next_token = token
         with torch.no_grad():
             for _ in range(steps):
-                logits = model(next_token, past_key_values=cache, use_cache=True).logits
+                logits = model(next_token, cache=cache, use_cache=True).logits
                 next_token = logits[:, -1:].argmax(-1)
 
     return run
@@ -96,10 +96,10 @@ def compiled_decode(models: dict, prompt, steps: int, repeats: int, device: str)
 
 def ops_per_step(model, prompt) -> int:
     with torch.no_grad():
-        out = model(prompt, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        out = model(prompt, cache=DynamicCache(config=model.config), use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         with torch.profiler.profile() as prof:
-            model(token, past_key_values=out.past_key_values, use_cache=True)
+            model(token, cache=out.cache, use_cache=True)
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
 
 

@@ -79,6 +79,14 @@ def summarize(results: dict, groups: dict[str, list[str]], n_samples: dict) -> d
     return metrics
 
 
+def new_task_manager():
+    """lm-eval's TaskManager, announced: indexing every task's YAML takes about 10 s on 2 cores, silently."""
+    from lm_eval.tasks import TaskManager
+
+    print("indexing lm-eval's tasks (once, about 10 s)", flush=True)
+    return TaskManager()
+
+
 def evaluate_model(
     label: str,
     ref: str,
@@ -96,9 +104,7 @@ def evaluate_model(
     trust_remote_code: bool = False,
 ) -> ModelResult:
     """Load REF and run lm-eval on it; pass one `task_manager` to several calls to index lm-eval's tasks once."""
-    from lm_eval.tasks import TaskManager
-
-    task_manager = task_manager or TaskManager()
+    task_manager = task_manager or new_task_manager()
     prepared = lm_eval_tasks(tasks, local, task_manager)  # before loading: bad names fail fast
     # code inside REF runs only with trust_remote_code
     model, tokenizer = load_causal_lm(ref, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
@@ -252,10 +258,7 @@ def run_eval(
     metric = None
     if perplexity_file and not local_data:
         metric = load_evaluate_metric([r for r in (baseline, candidate) if r])
-    from lm_eval.tasks import TaskManager
-
-    print("indexing lm-eval's task registry (once; takes a few seconds)", flush=True)
-    shared = dict(perplexity_metric=metric, task_manager=TaskManager(), trust_remote_code=trust_remote_code)
+    shared = dict(perplexity_metric=metric, task_manager=new_task_manager(), trust_remote_code=trust_remote_code)
     base_result = evaluate_model("baseline", baseline, **settings, **shared) if baseline else None
     cand_result = evaluate_model("candidate", candidate, **settings, **shared)
     rows = comparison_rows(base_result, cand_result)

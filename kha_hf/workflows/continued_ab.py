@@ -354,13 +354,11 @@ def _print_report(summary: dict) -> None:
 
 def _evaluate_arms(models: dict, tokenizer, limit: int, output: Path) -> list[dict]:
     """The quick suite on the first seed's models; paired statistics for each comparison."""
-    from lm_eval.tasks import TaskManager
-
-    from ..eval.compare import evaluate_loaded
+    from ..eval.compare import evaluate_loaded, new_task_manager
     from ..eval.paired import comparison_rows, markdown_table
     from ..eval.suites import SUITES
 
-    task_manager = TaskManager()
+    task_manager = new_task_manager()  # indexes lm-eval's tasks once for every model
     results = {
         arm: evaluate_loaded(
             arm,

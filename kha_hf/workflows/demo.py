@@ -46,12 +46,10 @@ def run_demo(
 
 def _demo(base: str, output: Path, final: Path, knock: str, train_steps: int, limit: int, start: float) -> dict:
     """The five steps, written into OUTPUT (the demo's temporary folder, moved to FINAL when done)."""
-    from lm_eval.tasks import TaskManager
-
     from ..common.loading import load_tokenizer
     from ..conversion import convert
     from ..conversion.knock_stats import format_table, knock_statistics, plot_knocks
-    from ..eval.compare import evaluate_loaded
+    from ..eval.compare import evaluate_loaded, new_task_manager
     from ..eval.paired import comparison_rows
     from ..eval.suites import SUITES
     from ..modeling.modeling_kha import KHAForCausalLM
@@ -99,7 +97,7 @@ def _demo(base: str, output: Path, final: Path, knock: str, train_steps: int, li
     )
 
     print(f"\n[4/5] evaluate base, KHA knocks and the LoRA control on {', '.join(tasks)} ({limit} documents each)")
-    task_manager = TaskManager()  # indexes lm-eval's tasks once for the three models
+    task_manager = new_task_manager()  # indexes lm-eval's tasks once for every model
     settings = dict(tasks=tasks, local=True, limit=limit, num_fewshot=None, batch_size=8, device="cpu", seed=1234)
     models = {
         "base": KHAForCausalLM.from_pretrained(converted).eval(),  # identity knocks: the base's exact outputs

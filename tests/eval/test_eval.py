@@ -215,3 +215,19 @@ def test_lm_eval_s_already_initialized_model_warning_is_silenced_at_our_call(cap
         HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu")
     shown = [r.getMessage() for r in caplog.records]
     assert not any("already-initialized model" in m or "is not of type `str`" in m for m in shown), shown
+
+
+def test_lm_eval_s_git_probe_prints_nothing_outside_a_checkout(tmp_path, monkeypatch, capfd):
+    # lm-eval 0.4.13 runs `git describe` with our stderr: "fatal: not a git repository" on every evaluation
+    import lm_eval.evaluator
+
+    from kha_hf.eval.quiet import quiet_lm_eval
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # tmp_path is in no checkout
+    lm_eval.evaluator.get_git_commit_hash()
+    assert "fatal" in capfd.readouterr().err, "upstream no longer prints git's error: drop the workaround"
+    with quiet_lm_eval():
+        assert lm_eval.evaluator.get_git_commit_hash() is None
+    assert capfd.readouterr().err == ""
+    assert lm_eval.evaluator.get_git_commit_hash.__module__ == "lm_eval.loggers.utils"  # restored

@@ -114,7 +114,7 @@ def test_cached_decoding_matches_a_full_forward(family):
         out = kha(IDS[:, :5], use_cache=True)
         steps = [out.logits]
         for t in range(5, IDS.shape[1]):
-            out = kha(IDS[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = kha(IDS[:, t : t + 1], cache=out.cache, use_cache=True)
             steps.append(out.logits)
     assert_close(torch.cat(steps, dim=1), full, atol=1e-4, what=f"{family}: cached vs full")
 

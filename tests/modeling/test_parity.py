@@ -76,7 +76,7 @@ def test_cached_decoding_matches_full_forward_with_trained_knocks(family):
         out = kha(ids[:, :5], use_cache=True)
         steps = [out.logits]
         for t in range(5, ids.shape[1]):
-            out = kha(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = kha(ids[:, t : t + 1], cache=out.cache, use_cache=True)
             steps.append(out.logits)
     assert_close(torch.cat(steps, dim=1), full, atol=1e-5, what="cached vs full")
     prompt = ids[:1, :6]
