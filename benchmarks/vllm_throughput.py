@@ -90,7 +90,14 @@ def main() -> None:
             "eager": not args.compile,
         }
         (root / "job.json").write_text(json.dumps(job))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HOME": str(root / "hf")}
+        # TMPDIR: vLLM 0.32 leaves its IPC sockets there; inside ROOT they go with it
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "HF_HOME": str(root / "hf"),
+            "TMPDIR": str(root),
+        }
         env.pop("HF_MODULES_CACHE", None)
         proc = subprocess.run(
             [str(vllm_python()), str(WORKER), str(root / "job.json"), str(root / "result.json")],

@@ -1,6 +1,7 @@
 """Shared test setup: offline hub, a temporary HF_HOME, tiny configs of every base family, one parity helper."""
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -22,6 +23,20 @@ def _isolated_hf_home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.getbasetemp() / "hf_home"
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_MODULES_CACHE", str(home / "modules"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_pytest_s_folder(tmp_path_factory):
+    # What tests start writes temporary files under TMPDIR and leaves some: vLLM 0.32 its IPC sockets
+    # (/tmp/<uuid>, about 100 a run), torch's launcher an empty torchelastic_* folder. Point TMPDIR (and
+    # `tempfile`) into pytest's base folder, which pytest removes after a passing run (pyproject.toml). Session
+    # scope: session fixtures that start servers copy the environment before any test runs.
+    folder = tmp_path_factory.getbasetemp() / "tmp"
+    folder.mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(folder))
+        patch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again; restored after the session
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -38,6 +38,20 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--continuous-batching", action="store_true", help="paged attention with continuous batching (transformers)"
     )
+    p.add_argument(
+        "--cb-num-blocks",
+        type=positive_int,
+        default=None,
+        help="KV-cache blocks of 256 tokens for --continuous-batching (default: 64 on a CPU, where transformers "
+        "would otherwise reserve most of the machine's RAM; on a GPU, sized from its free memory)",
+    )
+    p.add_argument(
+        "--cb-max-batch-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens per forward pass for --continuous-batching; longer prompts are prefilled in chunks "
+        "(default: 512 on a CPU; on a GPU, sized from its free memory)",
+    )
     p.add_argument("--device", default="auto", help="device map: auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help="weights dtype")
     p.add_argument(
@@ -67,5 +81,7 @@ def run(args) -> int:
         trust_remote_code=args.trust_remote_code,
         ready_timeout=args.ready_timeout,
         limits=ServeLimits(args.max_new_tokens, args.request_timeout, args.max_request_bytes),
+        cb_num_blocks=args.cb_num_blocks,
+        cb_max_batch_tokens=args.cb_max_batch_tokens,
     )
     return 0

@@ -27,6 +27,25 @@ from ..common.loading import check_device, check_model_ref, check_remote_code_al
 from .guard import RequestRegistry, ServeGuard, ServeLimits, model_aliases
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# Continuous batching on a CPU. Without numbers, transformers 5.24 sizes its paged KV cache from free *device*
+# memory, which on a CPU is 60-90 % of the machine's RAM, and allocates attention masks of max_batch_tokens x
+# (cache + max_batch_tokens): 13.7 GiB for a 2-layer test model on a 23 GiB machine. On a CPU kha serve asks for
+# 64 blocks of 256 tokens (16,384 tokens of cache; SmolLM2-135M in float32: about 0.7 GiB) and 512 tokens per
+# batch (longer prompts are prefilled in chunks); on a GPU transformers' own sizing stays.
+CPU_CB_NUM_BLOCKS = 64
+CPU_CB_MAX_BATCH_TOKENS = 512
+
+
+def cb_sizes(device: str, cb_num_blocks: int | None, cb_max_batch_tokens: int | None) -> dict:
+    """transformers' `Serve` keywords for the continuous-batching cache: what was given, else the CPU defaults
+    above on a CPU, else None (transformers sizes both from free accelerator memory)."""
+    import torch
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu:
+        cb_num_blocks = CPU_CB_NUM_BLOCKS if cb_num_blocks is None else cb_num_blocks
+        cb_max_batch_tokens = CPU_CB_MAX_BATCH_TOKENS if cb_max_batch_tokens is None else cb_max_batch_tokens
+    return {"cb_num_blocks": cb_num_blocks, "cb_max_batch_tokens": cb_max_batch_tokens}
 
 
 def kha_model_manager_class():
@@ -96,14 +115,24 @@ def wait_until_ready(host: str, port: int, timeout: float) -> None:
     raise KHAError(f"the server did not answer on {url} within {timeout:.0f} s")
 
 
-def check_serve_inputs(model: str, device: str, dtype: str, trust_remote_code: bool, limits: ServeLimits) -> str:
-    """Bad inputs fail here, in one line, before anything is loaded; returns the name the server serves under."""
+def check_serve_inputs(
+    model: str,
+    device: str,
+    dtype: str,
+    trust_remote_code: bool,
+    limits: ServeLimits,
+    cache_sizes: dict[str, int | None] | None = None,
+) -> str:
+    """Bad inputs fail here, in one line, before anything is loaded; returns the name the server serves under.
+    CACHE_SIZES: the continuous-batching numbers given (name -> value or None for the default)."""
     check_model_ref(model)
     if dtype not in DTYPE_CHOICES:
         raise KHAError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_CHOICES)}")
     if device != "auto":
         check_device(device)
-    for name, value in (("max_new_tokens", limits.max_new_tokens), ("max_request_bytes", limits.max_request_bytes)):
+    counts = {"max_new_tokens": limits.max_new_tokens, "max_request_bytes": limits.max_request_bytes}
+    counts.update({name: value for name, value in (cache_sizes or {}).items() if value is not None})
+    for name, value in counts.items():
         if not isinstance(value, int) or value < 1:
             raise KHAError(f"{name} must be a positive integer, got {value!r}")
     if not limits.request_timeout > 0:
@@ -130,9 +159,14 @@ def start_server(
     trust_remote_code: bool = False,
     ready_timeout: float = 300.0,
     limits: ServeLimits | None = None,
+    cb_num_blocks: int | None = None,
+    cb_max_batch_tokens: int | None = None,
 ):
     """Load MODEL and start transformers' server on HOST:PORT in a background thread; returns the `Serve` object
-    (its `kill_server()` stops it). Blocks until /health answers. Only MODEL is ever served (see `guard.py`)."""
+    (its `kill_server()` stops it). Blocks until /health answers. Only MODEL is ever served (see `guard.py`).
+
+    CB_NUM_BLOCKS (blocks of 256 tokens) and CB_MAX_BATCH_TOKENS size continuous batching's paged KV cache and its
+    batches (defaults: see `cb_sizes`)."""
     from transformers.cli import serve as serve_module
     from transformers.cli.serving import model_manager
     from transformers.cli.serving import server as server_module
@@ -144,7 +178,8 @@ def start_server(
     if not is_serve_available():
         raise KHAError("serving needs transformers' serving extras: pip install 'kha-hf[serve]'")
     limits = limits or ServeLimits()
-    served = check_serve_inputs(model, device, dtype, trust_remote_code, limits)
+    cache_sizes = {"cb_num_blocks": cb_num_blocks, "cb_max_batch_tokens": cb_max_batch_tokens}
+    served = check_serve_inputs(model, device, dtype, trust_remote_code, limits, cache_sizes)
     check_listen_address(host, port)
     registry = RequestRegistry()
     build_server = server_module.build_server
@@ -164,6 +199,7 @@ def start_server(
         server = serve_module.Serve(
             force_model=served,
             continuous_batching=continuous_batching,
+            **(cb_sizes(device, **cache_sizes) if continuous_batching else {}),
             device=device,
             dtype=dtype,
             trust_remote_code=trust_remote_code,

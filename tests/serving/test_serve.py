@@ -3,13 +3,15 @@ against `model.generate` (greedy), with and without continuous batching, plain a
 
 import socket
 
+import psutil
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
 from kha_hf import KHAForCausalLM
 from kha_hf.cli import main
-from tests.helpers import randomize_knocks, save_tiny_tokenizer, tiny_configs
+from kha_hf.serving.server import CPU_CB_MAX_BATCH_TOKENS, CPU_CB_NUM_BLOCKS
+from tests.helpers import free_port, randomize_knocks, save_tiny_tokenizer, tiny_configs
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -21,12 +23,6 @@ CHAT_TEMPLATE = (
 PROMPT = "the quick brown"
 MESSAGES = [{"role": "user", "content": "the lazy dog"}]
 NEW_TOKENS = 6
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +60,7 @@ def test_openai_client_gets_what_generate_gives(kha_dir, continuous_batching):
     expected_chat = greedy(kha_dir, chat_ids)
 
     port = free_port()
+    rss_before = psutil.Process().memory_info().rss
     server = start_server(
         str(kha_dir), port=port, device="cpu", dtype="float32", continuous_batching=continuous_batching
     )
@@ -81,6 +78,10 @@ def test_openai_client_gets_what_generate_gives(kha_dir, continuous_batching):
             if chunk.choices
         )
         assert streamed == expected_chat
+        # transformers 5.24 alone sizes the paged KV cache from the machine's RAM on a CPU (11 GiB here for this
+        # 2-layer model); kha serve caps it at 64 blocks of 256 tokens, a few MiB for this model
+        grown = psutil.Process().memory_info().rss - rss_before
+        assert grown < 1 << 30, f"the server grew the process by {grown / 2**30:.1f} GiB"
     finally:
         server.kill_server()
 
@@ -90,7 +91,11 @@ def test_generate_batch_with_paged_attention_gives_generate_tokens(kha_dir):
     tokenizer = AutoTokenizer.from_pretrained(kha_dir)
     prompts = [tokenizer(p).input_ids for p in (PROMPT, "over the lazy dog", "to be")]
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    batch = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    # sized as kha serve sizes it on a CPU: transformers' default would take most of the machine's RAM (14.8 GiB)
+    cache = ContinuousBatchingConfig(num_blocks=CPU_CB_NUM_BLOCKS, max_batch_tokens=CPU_CB_MAX_BATCH_TOKENS)
+    batch = model.generate_batch(
+        inputs=prompts, generation_config=config, continuous_batching_config=cache, progress_bar=False
+    )
     for request, ids in zip(sorted(batch), prompts, strict=True):
         single = model.generate(torch.tensor([ids]), generation_config=config)[0, len(ids) :].tolist()
         assert batch[request].generated_tokens == single
@@ -128,3 +133,15 @@ def test_smollm2_kha_served_equals_generate(tmp_path):
         assert reply.choices[0].message.content == expected
     finally:
         server.kill_server()
+
+
+def test_continuous_batching_cache_is_bounded_on_a_cpu_and_left_to_transformers_on_a_gpu():
+    from kha_hf.serving.server import CPU_CB_MAX_BATCH_TOKENS, CPU_CB_NUM_BLOCKS, cb_sizes
+
+    assert cb_sizes("cpu", None, None) == {"cb_num_blocks": CPU_CB_NUM_BLOCKS, "cb_max_batch_tokens": 512}
+    assert cb_sizes("cpu", 8, 128) == {"cb_num_blocks": 8, "cb_max_batch_tokens": 128}  # the user's numbers win
+    assert cb_sizes("cuda", None, None) == {"cb_num_blocks": None, "cb_max_batch_tokens": None}
+    assert CPU_CB_MAX_BATCH_TOKENS == 512
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "x", "--cb-num-blocks", "0"])
+    assert exit_info.value.code == 2
