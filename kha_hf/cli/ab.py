@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
         "--lr-grid) by its loss on a validation split that the reported held-out split never touches; then each "
         "arm trains at its rate over the seeds; held-out loss on the corpus and on Wikipedia text (forgetting), "
         "paired intervals over seeds and blocks. SmolLM2-135M defaults (24 steps x 4 x 128 tokens, grids of 3, 5 "
-        "seeds): about 40 minutes on 2 CPU cores.",
+        "seeds): about 45 minutes on 2 CPU cores (52 measured with other work running).",
         epilog="examples:\n  kha ab                                   # cpu-tiny, mlp_v, embedded Shakespeare\n"
         "  kha ab gpu-small --knock linear_qkv --bf16\n  kha ab ./my_config.json --max-steps 2000 --data ./corpus/\n"
         "  kha ab --from ./smollm2.gguf --seeds 3          # continued training: should I convert first?\n"
@@ -109,7 +109,7 @@ def _run_continued(args) -> int:
     from ..training.ab_presets import AB_PRESETS
     from ..workflows.continued_ab import ContinuedAB, continued_ab
 
-    defaults = {"max_steps": 24, "seq_len": 128, "batch_size": 4}  # SmolLM2: about 40 minutes on 2 CPU cores
+    defaults = {"max_steps": 24, "seq_len": 128, "batch_size": 4}  # SmolLM2: about 45 minutes on 2 CPU cores
     if args.base is not None:  # a preset sets the run's size (the model is MODEL's)
         if args.base not in AB_PRESETS:
             raise KHAError(f"with --from, the positional argument is a preset ({', '.join(AB_PRESETS)}), not a config")
