@@ -37,10 +37,15 @@ def _release(llm) -> None:
 
 
 def generate(job: dict) -> dict:
-    """Greedy token ids per model and prompt: {"path": [[ids], ...]} or {"path": {"error": "..."}}."""
+    """Greedy token ids per model and prompt: {"path": [[ids], ...]} or {"path": {"error": "..."}}; with
+    job["logprobs"], {"path": {"tokens": [[ids], ...], "logprobs": [[logprob of each chosen id], ...]}} (float32
+    log-softmax of the raw logits, vLLM's default logprobs mode)."""
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+    want_logprobs = job.get("logprobs", False)
+    params = SamplingParams(
+        temperature=0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=0 if want_logprobs else None
+    )
     results = {}
     for model in job["models"]:
         try:
@@ -50,7 +55,15 @@ def generate(job: dict) -> dict:
             continue
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        results[model["path"]] = [list(o.outputs[0].token_ids) for o in outputs]
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        if want_logprobs:  # logprobs=0: each step's dict holds only the chosen token
+            chosen = [
+                [step[token].logprob for step, token in zip(o.outputs[0].logprobs, ids, strict=True)]
+                for o, ids in zip(outputs, tokens, strict=True)
+            ]
+            results[model["path"]] = {"tokens": tokens, "logprobs": chosen}
+        else:
+            results[model["path"]] = tokens
         _release(llm)
     return results
 
