@@ -1,6 +1,7 @@
 """Shared test setup: offline hub, a temporary HF_HOME, tiny configs of every base family, one parity helper."""
 
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -10,11 +11,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+_INDUCTOR_CACHE: str | None = None  # the session's own torch compile cache, if it made one
+
 
 def pytest_configure(config):
     # Marks used by transformers' own test_modeling_common.py (tests/modeling/upstream_common.py loads it).
     for mark in ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test", "torch_compile_test"):
         config.addinivalue_line("markers", f"{mark}: a mark of transformers' own tests")
+    # Importing a transformers model class (torch 2.13) creates torch's compile cache, TMPDIR/torchinductor_<user>,
+    # while tests are collected, before any fixture runs, and every compile of the session then writes there: it
+    # outlived the run in /tmp. The session gets its own, removed when it ends (unless the caller chose one).
+    global _INDUCTOR_CACHE
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="kha-tests-torchinductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+
+
+def pytest_unconfigure(config):
+    if _INDUCTOR_CACHE is not None:
+        shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 
 @pytest.fixture(autouse=True)

@@ -7,10 +7,12 @@ transformers 5.24; vLLM's runs transformers 5.16.1, the remote code's oldest). K
 SmolLM2-135M (real, Llama), a tiny Qwen3 (q/k norms), a tiny Qwen3-MoE and a tiny Mixtral, and Gemma 3 270M (real).
 All models go through one vLLM process, one after the other.
 
-Besides the tokens, vLLM's log-probability of each chosen token must equal transformers' within LOGPROB_ATOL. A
+Besides the tokens, vLLM's log-probability of each chosen token must equal transformers' within LOGPROB_ATOL (per
+model: each model's float32 forward is exact to a different degree). A
 token-exact test is sound only where the greedy path is well-conditioned (its smallest top-1 log-probability gap well
 above the differences of two correct float32 kernels); measured 2026-12-01: gap / largest difference >= 100 in every
-case here (SmolLM2 mlp_v: 5.7e-3 / 5.7e-5; the tiny models: >= 6.1e-5 / 4.8e-7). A failure prints both numbers.
+case here (SmolLM2 mlp_v: 5.7e-3 / 5.7e-5; the tiny models: >= 6.1e-5 / 4.8e-7), 13 for Gemma 3 (6.7e-2 / 5.0e-3).
+A failure prints both numbers.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "the quick brown fox"]
 NEW_TOKENS = 12
-# Measured on SmolLM2 (2026-12-01): vLLM vs transformers differ by at most 6e-5 in a chosen token's log-probability,
-# as much as transformers' own eager vs SDPA (6e-5)
-LOGPROB_ATOL = 1e-3
+# How far vLLM's log-probability of a chosen token may be from transformers'. Measured 2026-12-01, vLLM vs
+# transformers and, for scale, transformers' own eager vs SDPA and float32 vs float64 (all log-probabilities):
+# SmolLM2 6e-5 (eager vs SDPA 6e-5, float32 vs float64 1e-4); tiny models 5e-7; Gemma 3 270M, whose float32 forward
+# is far less exact (262k vocabulary, 256-wide heads), 5.0e-3 (eager vs SDPA 2.1e-3, float32 vs float64 3.1e-2).
+LOGPROB_ATOL = {"gemma3": 2e-2, "default": 1e-3}
 # How far the knocks move off the identity (randomize_knocks' scale). A linear q/k knock multiplies the attention
 # logits: at 0.3 on SmolLM2's 64-wide heads (‖T - I‖ about 5) they saturate the softmax and the model is chaotic:
 # transformers' own eager and SDPA then differ by 0.35 in log-probability, float32 and float64 by 0.58, and vLLM's
@@ -162,7 +166,8 @@ def test_vllm_tokens_equal_transformers_generate(name, checkpoints, vllm_tokens)
     got = vllm_tokens[name]
     assert "error" not in got, f"vLLM could not run {name}: {got['error']}"
     worst = max(shared_path_differences(got["tokens"], got["logprobs"], expected, logprobs), default=0.0)
-    assert worst <= LOGPROB_ATOL, f"{name}: chosen tokens' log-probabilities differ by up to {worst:.2e}"
+    atol = LOGPROB_ATOL.get(name.split("-")[0], LOGPROB_ATOL["default"])
+    assert worst <= atol, f"{name}: chosen tokens' log-probabilities differ by up to {worst:.2e} (atol {atol})"
     assert got["tokens"] == expected, (
         f"{name}: vLLM {got['tokens']} != transformers {expected} (smallest top-1 gap {margin:.1e}, log-probability "
         f"differences up to {worst:.1e} before the flip: a gap under about 10x the differences is ill-conditioned)"
