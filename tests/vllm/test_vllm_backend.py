@@ -8,11 +8,10 @@ SmolLM2-135M (real, Llama), a tiny Qwen3 (q/k norms), a tiny Qwen3-MoE and a tin
 All models go through one vLLM process, one after the other.
 
 Besides the tokens, vLLM's log-probability of each chosen token must equal transformers' within LOGPROB_ATOL (per
-model: each model's float32 forward is exact to a different degree). A
-token-exact test is sound only where the greedy path is well-conditioned (its smallest top-1 log-probability gap well
-above the differences of two correct float32 kernels); measured 2026-12-01: gap / largest difference >= 100 in every
-case here (SmolLM2 mlp_v: 5.7e-3 / 5.7e-5; the tiny models: >= 6.1e-5 / 4.8e-7), 13 for Gemma 3 (6.7e-2 / 5.0e-3).
-A failure prints both numbers.
+model: each model's float32 forward is exact to a different degree). A token-exact test is sound only where the
+greedy path is well-conditioned (its smallest top-1 log-probability gap well above the differences of two correct
+float32 kernels); measured 2026-12-01, gap / largest difference: >= 100 (SmolLM2 mlp_v 5.7e-3 / 5.7e-5; the tiny
+models >= 6.1e-5 / 4.8e-7), 13 for Gemma 3 (6.7e-2 / 5.0e-3). A failure prints both numbers.
 """
 
 from __future__ import annotations
@@ -130,7 +129,6 @@ def vllm_tokens(checkpoints, vllm_env, tmp_path_factory):
             "max_tokens": NEW_TOKENS,
             "max_model_len": 128,
             "prompts": [list(p) for p in prompt_set],
-            "logprobs": True,
             "models": [{"path": str(checkpoints[n][0])} for n in members],
         }
         out = run_worker(vllm_env, job, tmp_path_factory.mktemp("job"))

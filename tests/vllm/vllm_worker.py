@@ -37,15 +37,13 @@ def _release(llm) -> None:
 
 
 def generate(job: dict) -> dict:
-    """Greedy token ids per model and prompt: {"path": [[ids], ...]} or {"path": {"error": "..."}}; with
-    job["logprobs"], {"path": {"tokens": [[ids], ...], "logprobs": [[logprob of each chosen id], ...]}} (float32
-    log-softmax of the raw logits, vLLM's default logprobs mode)."""
+    """Greedy token ids per model and prompt, with the log-probability of each (float32 log-softmax of the raw
+    logits, vLLM's default logprobs mode): {"path": {"tokens": [[ids], ...], "logprobs": [[float, ...], ...]}}, or
+    {"path": {"error": "..."}} for a model vLLM could not load."""
     from vllm import SamplingParams, TokensPrompt
 
-    want_logprobs = job.get("logprobs", False)
-    params = SamplingParams(
-        temperature=0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=0 if want_logprobs else None
-    )
+    # logprobs=0: each step's dict holds only the chosen token
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=0)
     results = {}
     for model in job["models"]:
         try:
@@ -56,14 +54,11 @@ def generate(job: dict) -> dict:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        if want_logprobs:  # logprobs=0: each step's dict holds only the chosen token
-            chosen = [
-                [step[token].logprob for step, token in zip(o.outputs[0].logprobs, ids, strict=True)]
-                for o, ids in zip(outputs, tokens, strict=True)
-            ]
-            results[model["path"]] = {"tokens": tokens, "logprobs": chosen}
-        else:
-            results[model["path"]] = tokens
+        chosen = [
+            [step[token].logprob for step, token in zip(o.outputs[0].logprobs, ids, strict=True)]
+            for o, ids in zip(outputs, tokens, strict=True)
+        ]
+        results[model["path"]] = {"tokens": tokens, "logprobs": chosen}
         _release(llm)
     return results
 
