@@ -194,6 +194,13 @@ class KHAConfig(PreTrainedConfig):
         super().__post_init__(**{**base_values, **passthrough})
         self._validate_knocks()
         self.auto_map = dict(AUTO_MAP)
+        # transformers 5.24's `_get_model_class` (auto_factory.py) iterates `config.architectures` whenever the Auto
+        # mapping holds a tuple of classes, which ours does (the public class, then each family's): a fresh config's
+        # `None` made `AutoModelForCausalLM.from_config` raise TypeError. An empty list means the same (no preference:
+        # the mapping's first class) and iterates; `to_dict` writes it back as `null`. Remove when upstream reads
+        # `getattr(config, "architectures", None) or []` (tests/modeling/test_auto_from_config.py turns red then).
+        if self.architectures is None:
+            self.architectures = []
         # Tensor/pipeline parallelism: the family's plans. Knocks are replicated: under a colwise q/k/v split every
         # rank holds whole heads, and a knock acts on each head's features alone. A rank's knock gradient covers
         # only its heads, so it is summed across ranks (as Qwen3's q/k norms are).
@@ -235,6 +242,8 @@ class KHAConfig(PreTrainedConfig):
         output["auto_map"] = dict(AUTO_MAP)
         if output.get("architectures"):
             output["architectures"] = [_public_class_name(name) for name in output["architectures"]]
+        else:
+            output["architectures"] = None  # see __post_init__: `[]` is only the in-memory stand-in for "unset"
         return output
 
     def to_diff_dict(self) -> dict[str, Any]:
