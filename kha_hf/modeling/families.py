@@ -156,6 +156,21 @@ def segment_rows(config: Any, blocks: tuple[Block, ...], target: str) -> list[tu
     return rows
 
 
+def knock_plan(config: Any, blocks: tuple[Block, ...], knocked: set[str]) -> tuple | None:
+    """How the knocks of the KNOCKED targets act on a projection's output, for `knocks.apply_knock_plan`:
+    ((block features, per-head size, ((segment size, knock attribute `q_knock`/... or None), ...)), ...),
+    or None when no knock acts on the projection."""
+    plan = []
+    for block in blocks:
+        sizes = [config_size(config, s.size) for s in block.segments]
+        segments = tuple(
+            (size, f"{s.target}_knock" if s.target in knocked else None)
+            for s, size in zip(block.segments, sizes, strict=True)
+        )
+        plan.append((config_size(config, block.heads) * sum(sizes), sum(sizes), segments))
+    return tuple(plan) if any(attr for *_, segments in plan for _, attr in segments) else None
+
+
 def attention_layers(config: Any) -> list[int]:
     """Indices of the layers with softmax attention (all, except the linear-attention layers of hybrid models)."""
     types = getattr(config, "layer_types", None) or []

@@ -61,6 +61,30 @@ class MLPKnock(nn.Module):
         return self.down(self.up(x) * (2.0 * torch.sigmoid(self.gate(x))))
 
 
+def apply_knock_plan(plan: tuple, states: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+    """A projection's output (..., features) with OWNER's knocks (`owner.q_knock`, ...) applied where PLAN
+    (`families.knock_plan`) puts them: per block, per head, per segment. The one knock step of KHA models (OWNER is
+    the attention module) and of the PEFT knock adapter (OWNER holds one adapter's knocks)."""
+    if len(plan) == 1:
+        return _knock_block(plan[0], states, owner)
+    parts = states.split([features for features, _, _ in plan], dim=-1)  # Phi-3: [q heads][k heads][v heads]
+    return torch.cat([_knock_block(b, p, owner) for b, p in zip(plan, parts, strict=True)], dim=-1)
+
+
+def _knock_block(block: tuple, states: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+    _, head_size, segments = block
+    heads = states.unflatten(-1, (-1, head_size))  # (..., n_heads, head_size): -1 keeps TP-local head counts
+    if len(segments) == 1:
+        attr = segments[0][1]
+        return states if attr is None else getattr(owner, attr)(heads).flatten(-2)  # shared by all heads
+    pieces = heads.split([size for size, _ in segments], dim=-1)  # e.g. MLA: (q_nope, q_rope)
+    knocked = [
+        piece if attr is None else getattr(owner, attr)(piece)
+        for (_, attr), piece in zip(segments, pieces, strict=True)
+    ]
+    return torch.cat(knocked, dim=-1).flatten(-2)
+
+
 def build_knock(kind: str, head_dim: int | None) -> nn.Module | None:
     """'none' -> None, 'linear' -> LinearKnock, 'mlp' -> MLPKnock, acting on HEAD_DIM features."""
     if kind == "none":

@@ -37,12 +37,12 @@ from .derive import derive_knocked_methods, find_attention_class
 from .families import (
     SUPPORTED_BASE_MODEL_TYPES,
     TARGETS,
-    config_size,
     family_spec,
     knock_dims,
+    knock_plan,
     projection_features,
 )
-from .knocks import KnockLinear, build_knock
+from .knocks import KnockLinear, apply_knock_plan, build_knock
 
 # The safetensors file in which `kha convert` stores the knock tensors of a converted checkpoint.
 KNOCKS_FILE = "model-kha-knocks.safetensors"
@@ -156,40 +156,13 @@ class KnockedAttention(nn.Module):
         self._kha_plans = plans
 
     def _knock_plan(self, config: KHAConfig, blocks: tuple) -> tuple | None:
-        """((block features, per-head size, ((segment size, knock attribute or None), ...)), ...), or None when no
-        knock of this layer acts on the projection."""
-        plan = []
-        for block in blocks:
-            sizes = [config_size(config, s.size) for s in block.segments]
-            segments = tuple(
-                (size, f"{s.target}_knock" if s.target and getattr(self, f"{s.target}_knock") is not None else None)
-                for s, size in zip(block.segments, sizes, strict=True)
-            )
-            plan.append((config_size(config, block.heads) * sum(sizes), sum(sizes), segments))
-        return tuple(plan) if any(attr for *_, segments in plan for _, attr in segments) else None
+        """The plan of `families.knock_plan` for this layer's knocks (None when none acts on the projection)."""
+        return knock_plan(config, blocks, {t for t in TARGETS if getattr(self, f"{t}_knock") is not None})
 
     def _kha_knock(self, projection: str, states: torch.Tensor) -> torch.Tensor:
         """The knocks of this layer applied to the output of PROJECTION, (..., features) -> (..., features)."""
         plan = self._kha_plans.get(projection)
-        if plan is None:
-            return states
-        if len(plan) == 1:
-            return self._knock_block(plan[0], states)
-        parts = states.split([features for features, _, _ in plan], dim=-1)  # Phi-3: [q heads][k heads][v heads]
-        return torch.cat([self._knock_block(b, p) for b, p in zip(plan, parts, strict=True)], dim=-1)
-
-    def _knock_block(self, block: tuple, states: torch.Tensor) -> torch.Tensor:
-        _, head_size, segments = block
-        heads = states.unflatten(-1, (-1, head_size))  # (..., n_heads, head_size): -1 keeps TP-local head counts
-        if len(segments) == 1:
-            attr = segments[0][1]
-            return states if attr is None else getattr(self, attr)(heads).flatten(-2)  # shared by all heads
-        pieces = heads.split([size for size, _ in segments], dim=-1)  # e.g. MLA: (q_nope, q_rope)
-        knocked = [
-            piece if attr is None else getattr(self, attr)(piece)
-            for (_, attr), piece in zip(segments, pieces, strict=True)
-        ]
-        return torch.cat(knocked, dim=-1).flatten(-2)
+        return states if plan is None else apply_knock_plan(plan, states, self)
 
 
 class KHAPreTrainedModel(PreTrainedModel):
