@@ -1,7 +1,8 @@
 """kha-hf: Knocking-Heads Attention (arXiv 2510.23052) for Hugging Face transformers.
 
 Importing the package registers `KHAConfig` / `KHAModel` / `KHAForCausalLM` with the Auto classes, so KHA
-checkpoints load with `AutoModelForCausalLM.from_pretrained(path)` even without `trust_remote_code`.
+checkpoints load with `AutoModelForCausalLM.from_pretrained(path)` even without `trust_remote_code`, and the
+`KNOCK` adapter type with peft, so knock adapters (`KnockConfig`) load with `PeftModel.from_pretrained`.
 """
 
 import sys
@@ -30,6 +31,9 @@ def register_auto_classes() -> None:
     KHAConfig.register_for_auto_class("AutoConfig")
     KHAModel.register_for_auto_class("AutoModel")
     KHAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    from .peft import register_knock_method
+
+    register_knock_method()  # the KNOCK adapter type: PeftModel.from_pretrained(stock, knock_adapter_dir)
     _registered = True
 
 
@@ -54,6 +58,7 @@ _LAZY = {
     "fold": ".conversion.fold",
     "verify_conversion": ".conversion.verify",
     "run_eval": ".eval.compare",
+    "KnockConfig": ".peft",
 }
 
 
@@ -81,6 +86,7 @@ __all__ = [
     "KHAForCausalLM",
     "KHAModel",
     "KHAPreTrainedModel",
+    "KnockConfig",
     "count_knock_parameters",
     "is_knock_parameter",
     "knock_parameter_names",

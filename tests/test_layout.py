@@ -1,7 +1,8 @@
 """The package layout that README's "Layout" section describes: which part may import which.
 
 modeling/ imports no other part (it travels with checkpoints); common/ imports only modeling/; conversion/, eval/,
-training/ and serving/ import modeling/, common/ and themselves, never each other; workflows/ and cli/ sit on top.
+training/, serving/ and peft/ import modeling/, common/ and themselves, never each other; workflows/ and cli/
+sit on top.
 """
 
 import ast
@@ -19,6 +20,7 @@ ALLOWED = {
     "eval": {"eval", "common", "modeling"},
     "training": {"training", "common", "modeling"},
     "serving": {"serving", "common", "modeling"},
+    "peft": {"peft", "common", "modeling"},
 }
 
 

@@ -85,6 +85,17 @@ def _knock_block(block: tuple, states: torch.Tensor, owner: nn.Module) -> torch.
     return torch.cat(knocked, dim=-1).flatten(-2)
 
 
+def fold_projection(weight: torch.Tensor, knock: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """W (out, in) or b (out,) -> `knock @ W[rows]` for each head's rows of the knock's target (each d rows), in
+    float64, cast back to W's dtype; the other rows are left as they are."""
+    index = torch.cat([torch.arange(start, stop) for start, stop in rows])
+    heads = weight[index].reshape(len(rows), -1, *weight.shape[1:]).double()  # (n, d, in) or (n, d)
+    folded = torch.einsum("ij,nj...->ni...", knock.double(), heads)
+    out = weight.clone()
+    out[index] = folded.reshape(-1, *weight.shape[1:]).to(weight.dtype)
+    return out
+
+
 def build_knock(kind: str, head_dim: int | None) -> nn.Module | None:
     """'none' -> None, 'linear' -> LinearKnock, 'mlp' -> MLPKnock, acting on HEAD_DIM features."""
     if kind == "none":

@@ -1,0 +1,125 @@
+"""`KnockLayer`: a q/k/v projection of a stock model with knock adapters on its output.
+
+The knock acts where KHA models put it: on the projection's output (after its bias), per head, before any q/k
+norm, RoPE or attention kernel. `families.knock_plan` says which output features are whose head and segment (a
+plain projection, Phi-3's fused qkv, MLA's segments, Qwen3-Next's gated query); `knocks.apply_knock_plan` applies
+them, the same code as KHA models run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from torch import nn
+
+from ..modeling.families import TARGETS, segment_rows
+from ..modeling.knocks import apply_knock_plan, build_knock, fold_projection
+
+
+class KnockSet(nn.Module):
+    """One adapter's knocks on one projection: `q_knock` / `k_knock` / `v_knock` where the projection holds that
+    target (the attribute names of KHA models, so `apply_knock_plan` reads them alike)."""
+
+    def __init__(self, types: dict[str, str], dims: dict[str, int]) -> None:
+        super().__init__()
+        for target in TARGETS:
+            setattr(self, f"{target}_knock", build_knock(types[target], dims[target]) if target in types else None)
+
+
+class KnockLayer(nn.Module, BaseTunerLayer):
+    """A projection (`nn.Linear`) wrapped with knock adapters. forward: (..., in) -> (..., out)."""
+
+    adapter_layer_names = ("knock_sets",)
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, placement: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.knock_sets = nn.ModuleDict()
+        self.placement = placement  # plan inputs: config view, blocks of this projection, knock dims
+        self._disable_adapters = False
+        self.merged_adapters = []
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, placement)
+
+    def update_layer(self, adapter_name: str, placement: dict[str, Any], inference_mode: bool = False) -> None:
+        """Add ADAPTER_NAME's knocks for the targets this projection holds (types per target in PLACEMENT)."""
+        self.knock_sets[adapter_name] = KnockSet(placement["types"], placement["dims"])
+        self.knock_sets[adapter_name].plan = placement["plan"]
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return result
+        for name in self.active_adapters:
+            knocks = self.knock_sets[name] if name in self.knock_sets else None
+            if knocks is not None:
+                dtype = next(knocks.parameters()).dtype
+                result = apply_knock_plan(knocks.plan, result.to(dtype), knocks).to(result.dtype)
+        return result
+
+    # -- merging (linear knocks only): the fold rule of `kha fold`, per head, biases included --------------------
+    def _fold_rows(self, name: str) -> list[tuple[str, list[tuple[int, int]], torch.Tensor]]:
+        knocks = self.knock_sets[name]
+        folds = []
+        for target in TARGETS:
+            knock = getattr(knocks, f"{target}_knock")
+            if knock is None:
+                continue
+            if not isinstance(knock, nn.Linear):
+                raise ValueError(
+                    f"adapter {name!r}: the {target} knock is an MLP (KHA-MLP), which is non-linear and cannot be "
+                    "merged into the projection; make a KHA model of base + adapter instead "
+                    "(`kha_hf.peft.to_kha_model(peft_model)`, then save_pretrained), which kha serve and vLLM serve"
+                )
+            if not torch.isfinite(knock.weight).all():
+                raise ValueError(
+                    f"adapter {name!r}: the {target} knock holds NaN or infinite values; refusing to merge"
+                )
+            rows = segment_rows(self.placement["config"], self.placement["blocks"], target)
+            folds.append((target, rows, knock.weight.detach()))
+        return folds
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Fold the linear knocks of ADAPTER_NAMES into the weight and bias: `W_h' = T^T W_h`, `b_h' = T^T b_h`."""
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        base = self.get_base_layer()
+        for name in adapter_names:
+            if name not in self.knock_sets:
+                continue
+            folds = self._fold_rows(name)  # refuses MLP or non-finite knocks before any weight changes
+            weight, bias = base.weight.data, None if base.bias is None else base.bias.data
+            for _, rows, knock in folds:
+                weight = fold_projection(weight, knock, rows)
+                bias = None if bias is None else fold_projection(bias, knock, rows)
+            if safe_merge and not (torch.isfinite(weight).all() and (bias is None or torch.isfinite(bias).all())):
+                raise ValueError(f"adapter {name!r}: merging gives NaN or infinite weights")
+            base.weight.data = weight
+            if bias is not None:
+                base.bias.data = bias
+            self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        """Undo merges, newest first, with the knocks' inverses (in float64: equal to the stock weights within
+        float rounding, not bit for bit)."""
+        base = self.get_base_layer()
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            weight, bias = base.weight.data, None if base.bias is None else base.bias.data
+            for _, rows, knock in reversed(self._fold_rows(name)):
+                inverse = torch.linalg.inv(knock.double())
+                weight = fold_projection(weight, inverse, rows)
+                bias = None if bias is None else fold_projection(bias, inverse, rows)
+            base.weight.data = weight
+            if bias is not None:
+                base.bias.data = bias
+
+    def __repr__(self) -> str:
+        return "knock." + super().__repr__()

@@ -1,0 +1,225 @@
+"""`KnockModel`: the PEFT tuner that puts knock adapters (`KnockLayer`) on a stock model's q/k/v projections.
+
+Where the knocks go is KHA's own table (`modeling/families.py`): the family's projections in each knocked layer
+(every softmax-attention layer unless `knock_layers` says otherwise), with the same per-head layout and sizes as
+`KHAForCausalLM`, so an adapter's knocks are exactly the knocks a KHA model of that base would hold.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner, _filter_state_dict_by_key_prefixes, _get_tuner_state_dict_key_prefixes
+from torch import nn
+
+from ..modeling.families import (
+    FAMILIES,
+    attention_layers,
+    family_spec,
+    knock_dims,
+    knock_plan,
+    projection_features,
+)
+from .config import KnockConfig
+from .layer import KnockLayer
+
+KNOCK_ADAPTER_TAGS = ["kha-hf", "knocking-heads-attention", "knock-adapter"]
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.[^.]+\.([^.]+)$")  # ...layers.<i>.<attention>.<projection>
+
+
+def _family(model: nn.Module) -> tuple[str, Any]:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type == "kha":
+        raise ValueError(
+            "this model is a KHA model and has knocks already: train them directly (kha train, or any trainer with "
+            "kha_hf.optimizer_param_groups), or load its base checkpoint for a knock adapter"
+        )
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"a knock adapter needs a model of a family KHA supports; {model_type!r} is not one of: "
+            f"{', '.join(FAMILIES)}"
+        )
+    return model_type, config
+
+
+def knock_placements(model: nn.Module, config: KnockConfig) -> dict[str, dict[str, Any]]:
+    """module name -> what its `KnockLayer` needs (types, dims, blocks, plan), for every projection that takes a
+    knock of CONFIG in MODEL. Refuses (ValueError, one line) a family, layer list or projection size that does not
+    fit."""
+    model_type, model_config = _family(model)
+    if config.base_model_type is not None and config.base_model_type != model_type:
+        raise ValueError(f"this knock adapter was made for a {config.base_model_type} model, not {model_type}")
+    spec = family_spec(model_type)
+    types = config.knock_types
+    if spec.linear_only and "mlp" in types.values():
+        raise ValueError(
+            f"{model_type} uses multi-head latent attention (MLA), which takes linear knocks only "
+            "(linear_v, linear_qkv)"
+        )
+    view = SimpleNamespace(**model_config.to_dict())  # sizes as KHAConfig reads them (head_dim defaults included)
+    dims = knock_dims(view, spec.layout)
+    types = {target: kind for target, kind in types.items() if target in dims}
+    softmax_layers = attention_layers(view)
+    layers = softmax_layers if config.knock_layers is None else config.knock_layers
+    bad = [i for i in layers if i not in softmax_layers]
+    if bad:
+        raise ValueError(
+            f"knock_layers {bad[:5]} are not softmax-attention layers of this {model_type} model "
+            f"({view.num_hidden_layers} layers; attention layers {softmax_layers[:3]}...)"
+        )
+    placements, found = {}, set()
+    for name, module in model.named_modules():
+        match = _LAYER.search(name)
+        if not match or "vision" in name or "visual" in name:
+            continue
+        layer, projection = int(match.group(1)), match.group(2)
+        if projection not in spec.layout or layer not in layers:
+            continue
+        blocks = spec.layout[projection]
+        expected = projection_features(view, blocks)
+        if isinstance(module, KnockLayer):
+            module = module.get_base_layer()  # a second adapter on the same projection
+        if not isinstance(module, nn.Linear) or module.out_features != expected:
+            raise ValueError(
+                f"{model_type}: {name} is {type(module).__name__} with {getattr(module, 'out_features', '?')} output "
+                f"features, the knock layout expects a linear projection with {expected}: this attention does not fit"
+            )
+        plan = knock_plan(view, blocks, set(types))
+        if plan is None:
+            continue  # e.g. k_proj under linear_v
+        held = {s.target for block in blocks for s in block.segments} & set(types)
+        placements[name] = {
+            "types": {t: types[t] for t in held},
+            "dims": dims,
+            "config": view,
+            "blocks": blocks,
+            "plan": plan,
+        }
+        found.add(layer)
+    missing = sorted(set(layers) - found)
+    if missing:
+        raise ValueError(f"{model_type}: no q/k/v projections found in layers {missing[:5]}: this model does not fit")
+    return placements
+
+
+class KnockModel(BaseTuner):
+    """Knock adapters on a stock transformers model (see `KnockConfig`); built by `peft.get_peft_model`."""
+
+    prefix: str = "knock_"
+    tuner_layer_cls = KnockLayer
+    target_module_mapping: dict = {}
+
+    def _post_injection_hook(self, model: nn.Module, config: KnockConfig, adapter_name: str) -> None:
+        # Tags of the adapter's model card (peft reads the base model's): they name the package that provides the
+        # KNOCK type, which a user without kha-hf needs (peft 0.21 then fails with KeyError: 'KNOCK').
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags(KNOCK_ADAPTER_TAGS)
+
+    def _prepare_adapter_config(self, peft_config: KnockConfig, model_config: dict) -> KnockConfig:
+        # The targets are derived, never taken from the config: an adapter file cannot put knocks elsewhere.
+        placements = knock_placements(self.model, peft_config)
+        peft_config.base_model_type = self.model.config.model_type
+        self._knock_placements = {**getattr(self, "_knock_placements", {}), **placements}
+        peft_config.target_modules = "|".join(re.escape(name) for name in sorted(placements))
+        return peft_config
+
+    def _create_and_replace(
+        self,
+        peft_config: KnockConfig,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        **kwargs: Any,
+    ) -> None:
+        placement = self._knock_placements[current_key]
+        if isinstance(target, KnockLayer):
+            target.update_layer(adapter_name, placement, inference_mode=peft_config.inference_mode)
+            return
+        new_module = KnockLayer(target, adapter_name, placement)
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)  # an added adapter is not trainable until it is set active
+        self._replace_module(parent, target_name, new_module, target)
+
+    @classmethod
+    def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
+        # `...q_proj.knock_sets.<adapter>.q_knock.weight` -> `...q_proj.knock_sets.q_knock.weight`: the file does not
+        # depend on the name the adapter had (peft's default strips only a second-to-last name)
+        return key.replace(f".knock_sets.{adapter_name}.", ".knock_sets.", 1)
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(
+        cls, model: nn.Module, config: KnockConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """As peft does, then refuse (one line, before any tensor is loaded) a file whose knocks are missing, extra,
+        of other shapes, not floating point, or not finite: peft itself would load what fits and warn."""
+        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        prefixes = _get_tuner_state_dict_key_prefixes(model, adapter_name=adapter_name)
+        expected = _filter_state_dict_by_key_prefixes(model.state_dict(), prefixes)
+        given = {key: tensor for key, tensor in remapped.items() if ".knock_sets." in key}
+        missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+        if missing or extra:
+            raise ValueError(
+                f"knock adapter {adapter_name!r} does not fit this model: {len(missing)} knock tensors missing "
+                f"{missing[:2]}, {len(extra)} unexpected {extra[:2]}"
+            )
+        for key, tensor in given.items():
+            if tensor.shape != expected[key].shape:
+                raise ValueError(
+                    f"knock adapter {adapter_name!r}: {key} has shape {tuple(tensor.shape)}, this model's knock "
+                    f"{tuple(expected[key].shape)} (an adapter of another model size)"
+                )
+            if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+                raise ValueError(f"knock adapter {adapter_name!r}: {key} is not finite floating point ({tensor.dtype})")
+        return remapped
+
+    def _check_merge_allowed(self) -> None:
+        super()._check_merge_allowed()
+        for name in self.active_adapters:
+            for module in self.model.modules():
+                if isinstance(module, KnockLayer) and name in module.knock_sets:
+                    module._fold_rows(name)  # one line for MLP or non-finite knocks, before any weight changes
+
+
+_ADAPTER_KEY = re.compile(r"^(?P<layer>.*)\.[^.]+\.knock_sets\.(?P<adapter>[^.]+)\.(?P<knock>[qkv]_knock\..+)$")
+
+
+def kha_knock_state_dict(peft_model: nn.Module, adapter_name: str = "default") -> dict[str, Any]:
+    """ADAPTER_NAME's knocks under the names a KHA model of the same base gives them
+    (`model.layers.3.self_attn.v_knock.weight`); tensors shared, not copied."""
+    base = peft_model.get_base_model()
+    state = {}
+    for name, tensor in base.state_dict().items():
+        match = _ADAPTER_KEY.match(name)
+        if match and match["adapter"] == adapter_name:
+            state[f"{match['layer']}.{match['knock']}"] = tensor
+    if not state:
+        raise ValueError(f"the model holds no knock adapter named {adapter_name!r}")
+    return state
+
+
+def to_kha_model(peft_model: nn.Module, adapter_name: str = "default") -> nn.Module:
+    """A `KHAForCausalLM` of the base model with ADAPTER_NAME's knocks: the servable form of a knock adapter (an MLP
+    knock cannot be merged into a stock model). Like `merge_and_unload`, it unwraps the PeftModel's base model in
+    place; the KHA model shares its tensors. `save_pretrained` it for kha serve or vLLM."""
+    from ..modeling.modeling_kha import KHAForCausalLM
+
+    config: KnockConfig = peft_model.peft_config[adapter_name]
+    if not isinstance(config, KnockConfig):
+        raise ValueError(f"adapter {adapter_name!r} is a {type(config).__name__}, not a knock adapter")
+    knocks = kha_knock_state_dict(peft_model, adapter_name)
+    types = {f"knock_{t}": config.knock_types.get(t, "none") for t in ("q", "k", "v")}
+    base = peft_model.unload()
+    model = KHAForCausalLM.from_base(base, knock=None, knock_layers=config.knock_layers, **types)
+    missing, unexpected = model.load_state_dict(knocks, strict=False)
+    knock_missing = [key for key in missing if "_knock." in key]
+    if knock_missing or unexpected:
+        raise ValueError(
+            f"the adapter's knocks do not match the KHA model: missing {knock_missing[:3]}, extra {unexpected[:3]}"
+        )
+    return model
