@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .config import KNOCK_PEFT_TYPE, KnockConfig, knock_peft_type
 from .layer import KnockLayer
-from .model import KnockModel
+from .model import KnockModel, kha_knock_state_dict, to_kha_model
 
 _registered = False
 
@@ -32,4 +32,12 @@ def register_knock_method() -> None:
 
 register_knock_method()
 
-__all__ = ["KNOCK_PEFT_TYPE", "KnockConfig", "KnockLayer", "KnockModel", "register_knock_method"]
+__all__ = [
+    "KNOCK_PEFT_TYPE",
+    "KnockConfig",
+    "KnockLayer",
+    "KnockModel",
+    "kha_knock_state_dict",
+    "register_knock_method",
+    "to_kha_model",
+]
