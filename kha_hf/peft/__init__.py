@@ -9,8 +9,9 @@ the knocks go). Importing kha_hf registers the method with peft, so `PeftModel.f
 from __future__ import annotations
 
 from .config import KNOCK_PEFT_TYPE, KnockConfig, knock_peft_type
+from .convert import kha_knock_state_dict, knock_adapter_from_kha, to_kha_model
 from .layer import KnockLayer
-from .model import KnockModel, kha_knock_state_dict, to_kha_model
+from .model import KnockModel
 
 _registered = False
 
@@ -38,6 +39,7 @@ __all__ = [
     "KnockLayer",
     "KnockModel",
     "kha_knock_state_dict",
+    "knock_adapter_from_kha",
     "register_knock_method",
     "to_kha_model",
 ]
