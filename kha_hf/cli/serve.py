@@ -16,8 +16,14 @@ def add_parser(sub) -> None:
         "by its folder name (or leave `model` out); model loading and unloading endpoints are switched off. Each "
         "request is bounded: the prompt must fit the model's context (max_position_embeddings), max_tokens may not "
         "exceed --max-new-tokens (also the default, cut to what the context leaves), a generation stops after "
-        "--request-timeout seconds or when its client disconnects, bodies over --max-request-bytes are refused "
-        "(413), malformed fields get a 400. /health answers 503 if a generation is stuck.\n\n"
+        '--request-timeout seconds (prompt rendering included; the reply says finish_reason "length") or when its '
+        "client disconnects, bodies over --max-request-bytes are refused (413). Each endpoint accepts a fixed list "
+        "of fields, each with its type and range (stop: at most 4 strings of 64 characters; logit_bias: at most 300 "
+        "token ids; no chat_template_kwargs); anything else gets a 400 naming the field. With "
+        "--continuous-batching every request is sampled with the model's generation config, and per-request "
+        "sampling settings that differ from it get a 400. A client must send its request within --read-timeout "
+        "seconds (else 408, and the connection is closed); at most --max-connections are open at once (more get "
+        "503). /health answers 503 if a generation is stuck.\n\n"
         "A KHA-Linear model can instead be folded (`kha fold`) and served by any engine. Where vLLM is installed "
         "(its own venv: scripts/install.sh vllm), the same folder serves with vLLM's Transformers backend: "
         "python -m vllm.entrypoints.openai.api_server --model MODEL --model-impl transformers --trust-remote-code "
@@ -43,7 +49,8 @@ def add_parser(sub) -> None:
         type=positive_int,
         default=None,
         help="KV-cache blocks of 256 tokens for --continuous-batching (default: 64 on a CPU, where transformers "
-        "would otherwise reserve most of the machine's RAM; on a GPU, sized from its free memory)",
+        "would otherwise reserve most of the machine's RAM; on a GPU, sized from its free memory); a request's "
+        "prompt and new tokens are cut to what the cache holds",
     )
     p.add_argument(
         "--cb-max-batch-tokens",
@@ -61,8 +68,22 @@ def add_parser(sub) -> None:
         "it and their code files are not run",
     )
     p.add_argument("--max-new-tokens", type=positive_int, default=1024, help="largest max_tokens a request may ask")
-    p.add_argument("--request-timeout", type=positive_float, default=300.0, help="seconds one generation may run")
+    p.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        default=300.0,
+        help="seconds one request may take to render its prompt and generate",
+    )
     p.add_argument("--max-request-bytes", type=positive_int, default=1 << 20, help="largest request body")
+    p.add_argument(
+        "--read-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds a client has to send a request's headers and body (idle connections close after 5 s)",
+    )
+    p.add_argument(
+        "--max-connections", type=positive_int, default=64, help="open client connections at most; more get 503"
+    )
     p.add_argument("--ready-timeout", type=positive_int, default=300, help="seconds to wait for the model to load")
     p.set_defaults(func=run)
 
@@ -80,7 +101,9 @@ def run(args) -> int:
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
         ready_timeout=args.ready_timeout,
-        limits=ServeLimits(args.max_new_tokens, args.request_timeout, args.max_request_bytes),
+        limits=ServeLimits(
+            args.max_new_tokens, args.request_timeout, args.max_request_bytes, args.read_timeout, args.max_connections
+        ),
         cb_num_blocks=args.cb_num_blocks,
         cb_max_batch_tokens=args.cb_max_batch_tokens,
     )

@@ -9,22 +9,23 @@ client has gone. `kha serve` keeps transformers' server and puts this ASGI middl
   loading and unloading included) answers 403/404. A request's `model` may name the served model as the user typed
   it, by its absolute path or by its folder name; any other name answers 404 (the name is compared as text, never
   looked up on disk or on the Hub).
-- **Bounded requests.** Bodies above `max_request_bytes` answer 413; `max_tokens` (and its aliases) must be an
-  integer in [1, max_new_tokens]; fields transformers would turn into a 500 (a non-numeric temperature, messages
-  that are not a list of role/content objects...) answer 400 in OpenAI's error format; `generation_config` (which
-  would bypass every limit) is refused. Prompt length against the model's context is checked where the prompt is
-  tokenised (`generation.py`).
+- **Only what it supports.** Bodies above `max_request_bytes` answer 413; every field of a generation request is
+  checked against its endpoint's allowlist (`fields.py`: type, range, size, nesting), and anything else answers
+  400 in OpenAI's error format, naming the field. `max_tokens` (and its aliases) must be an integer in
+  [1, max_new_tokens]. What depends on the loaded model (prompt length against the context, token ids of
+  `logit_bias`, sampling settings under continuous batching) is checked by the handlers (`handlers.py`).
 - **Disconnects stop work.** Each request gets a fresh X-Request-ID; when its client disconnects, the request's
   generation is cancelled (`RequestRegistry`), streamed or not.
-- **Health that tells the truth.** `/health` answers 503 while a generation has been running longer than its time
-  limit allows (it is stuck), otherwise transformers' own answer.
+- **Health that tells the truth.** `/health` answers 503 while a generation (or a prompt's rendering) has been
+  running longer than its time limit allows (it is stuck), otherwise transformers' own answer.
+
+Connections (read timeouts, a cap on open sockets) are bounded below this, in the HTTP protocol (`connections.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import threading
 import time
@@ -32,10 +33,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .errors import RequestError
+from .fields import checked_fields
+
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 READ_PATHS = ("/health", "/v1/models")
 REFUSED_PATHS = ("/load_model", "/reset")
-TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 REQUEST_ID_HEADER = b"x-request-id"
 
 
@@ -46,6 +49,8 @@ class ServeLimits:
     max_new_tokens: int = 1024  # largest max_tokens a request may ask for; also the default when it names none
     request_timeout: float = 300.0  # seconds one generation may run (transformers' max_time)
     max_request_bytes: int = 1 << 20  # largest request body
+    read_timeout: float = 30.0  # seconds a client has to send a request's headers and body
+    max_connections: int = 64  # open client connections; more are answered 503 and closed at once
 
 
 @dataclass
@@ -55,6 +60,7 @@ class RequestRegistry:
     cancellers: dict[str, list[Callable[[], None]]] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
     running: dict[int, float] = field(default_factory=dict)  # generation token -> start time (monotonic)
+    lingering: dict[int, Callable[[], bool]] = field(default_factory=dict)  # cancelled, not yet gone
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def on_cancel(self, request_id: str, cancel: Callable[[], None]) -> None:
@@ -95,23 +101,31 @@ class RequestRegistry:
 
         return tracked
 
+    def begin(self, key: object) -> None:
+        """A generation run elsewhere (continuous batching's thread) starts: it counts until `end(KEY)`."""
+        with self.lock:
+            self.running[id(key)] = time.monotonic()
+
+    def end(self, key: object, still_running: Callable[[], bool] | None = None) -> None:
+        """KEY's generation is over, or, with STILL_RUNNING, over once STILL_RUNNING() says False (a cancelled
+        request leaves continuous batching's scheduler only when its loop next runs: a loop that never does is
+        a stuck server)."""
+        with self.lock:
+            if still_running is None:
+                self.running.pop(id(key), None)
+                self.lingering.pop(id(key), None)
+            elif id(key) in self.running:
+                self.lingering[id(key)] = still_running
+
     def longest_running(self) -> float:
         """Seconds the oldest generation in flight has been running (0 when none)."""
         with self.lock:
+            for token, still_running in list(self.lingering.items()):
+                if not still_running():
+                    del self.lingering[token]
+                    self.running.pop(token, None)
             starts = list(self.running.values())
         return time.monotonic() - min(starts) if starts else 0.0
-
-
-class RequestError(Exception):
-    """A request the guard answers itself, in OpenAI's error format."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> bytes:
-        error = {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": self.code}
-        return json.dumps({"error": error}).encode()
 
 
 def model_aliases(typed: str, served: str) -> set[str]:
@@ -211,54 +225,28 @@ class ServeGuard:
             self.registry.finish(request_id)
 
     def checked_body(self, raw: bytes, path: str) -> dict:
-        """The request body, validated, with `model` set to the served name; RequestError otherwise."""
+        """The request body, validated against PATH's allowlist, with `model` set to the served name;
+        RequestError otherwise."""
         try:
-            body = json.loads(raw or b"{}")
+            body = json.loads(raw or b"{}", parse_constant=_not_finite, parse_float=_finite_float)
+        except RecursionError:  # C json raises it past ~1,000 levels; nothing deep reaches transformers
+            raise RequestError(400, "the request body is nested too deeply") from None
         except (ValueError, UnicodeDecodeError):
-            raise RequestError(400, "the request body is not valid JSON") from None
+            raise RequestError(400, "the request body is not valid JSON (numbers must be finite)") from None
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
         requested = body.get("model")
         if requested is not None:
             if not isinstance(requested, str) or not self._names_served_model(requested):
+                shown = repr(requested) if len(repr(requested)) <= 200 else repr(requested)[:197] + "..."
                 raise RequestError(
                     404,
-                    f"model {requested!r} is not served here; this server serves {self.served}",
+                    f"model {shown} is not served here; this server serves {self.served}",
                     "model",
                     "model_not_found",
                 )
+        body = checked_fields(body, path, self.limits.max_new_tokens)
         body["model"] = self.served
-        if "generation_config" in body:
-            raise RequestError(
-                400,
-                "generation_config is not accepted by kha serve: use max_tokens, temperature, top_p, seed",
-                "generation_config",
-            )
-        for name in TOKEN_FIELDS:
-            if body.get(name) is not None:
-                value = body[name]
-                if not _is_int(value) or not 1 <= value <= self.limits.max_new_tokens:
-                    raise RequestError(
-                        400,
-                        f"{name} must be an integer from 1 to {self.limits.max_new_tokens} (this server's "
-                        f"--max-new-tokens), got {value!r}",
-                        name,
-                    )
-        _check_number(body, "temperature", 0.0, 2.0, low_open=False)
-        _check_number(body, "top_p", 0.0, 1.0, low_open=True)
-        if body.get("seed") is not None and not _is_int(body["seed"]):
-            raise RequestError(400, f"seed must be an integer, got {body['seed']!r}", "seed")
-        if body.get("stream") is not None and not isinstance(body["stream"], bool):
-            raise RequestError(400, f"stream must be true or false, got {body['stream']!r}", "stream")
-        stop = body.get("stop")
-        if stop is not None and not isinstance(stop, str) and not _list_of(stop, str):
-            raise RequestError(400, "stop must be a string or a list of strings", "stop")
-        if path == "/v1/chat/completions":
-            _check_messages(body.get("messages"))
-        elif path == "/v1/completions" and not isinstance(body.get("prompt"), str):
-            raise RequestError(400, "prompt must be a string", "prompt")
-        elif path == "/v1/responses" and not isinstance(body.get("input"), (str, list)):
-            raise RequestError(400, "input must be a string or a list of input items", "input")
         return body
 
     def _names_served_model(self, name: str) -> bool:
@@ -268,42 +256,15 @@ class ServeGuard:
         return os.path.normpath(os.path.join(self.cwd, name)) == os.path.normpath(self.served)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _not_finite(constant: str):
+    raise ValueError(f"{constant} is not a number JSON allows")
 
 
-def _list_of(value, kind) -> bool:
-    return isinstance(value, list) and all(isinstance(item, kind) for item in value)
-
-
-def _check_number(body: dict, name: str, low: float, high: float, low_open: bool) -> None:
-    value = body.get(name)
-    if value is None:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise RequestError(400, f"{name} must be a number in {bound}, got {value!r}", name)
-
-
-def _check_messages(messages) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        ok = isinstance(message, dict) and isinstance(message.get("role"), str)
-        ok = ok and (content is None or isinstance(content, str) or _list_of(content, dict))
-        if ok and isinstance(content, list):  # content parts: {"type": "text", "text": "..."}, images...
-            ok = all(
-                isinstance(part.get("type"), str)
-                and (part["type"] not in ("text", "input_text", "output_text") or isinstance(part.get("text"), str))
-                for part in content
-            )
-        if not ok:
-            raise RequestError(
-                400, f"messages[{i}] must be an object with a string role and a string or list content", "messages"
-            )
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} overflows a float")
+    return value
 
 
 async def _answer(send, err: RequestError) -> None:

@@ -1,15 +1,19 @@
 """`kha serve`: transformers' serving stack (FastAPI + uvicorn, OpenAI-compatible), serving one model safely.
 
-Three classes of transformers' server are swapped for subclasses while `Serve` builds the server (and only for
-that one constructor call, so nothing changes for other code in the process); each works around one thing of
-transformers 5.24:
+Classes of transformers' server (and uvicorn's config) are swapped for subclasses while `Serve` builds the server
+(and only for that one constructor call, so nothing changes for other code in the process); each works around one
+thing of transformers 5.24:
 
 - `ModelManager._load_model` resolves a checkpoint's class as `getattr(transformers, config.architectures[0])`,
   so remote-code checkpoints (KHA included) fail even with --trust-remote-code. KHA checkpoints (model_type "kha")
   load through `AutoModelForCausalLM`, where kha_hf registered its classes: their code files never run, and their
   tokenizer loads without remote code too.
 - `GenerationState` hands out generation managers without request limits: see `generation.py`.
-- `build_server` exposes model loading and unloading to any client: `guard.ServeGuard` is put in front of it.
+- The chat, completion and response handlers render templates on the event loop and take a client's
+  `chat_template_kwargs`: see `handlers.py`.
+- `build_server` exposes model loading and unloading to any client and passes any field on: `guard.ServeGuard`
+  (with the allowlists of `fields.py`) is put in front of it.
+- `uvicorn.Config` has no read timeout and no connection cap: see `connections.py`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from unittest import mock
 
 from ..common.errors import KHAError
 from ..common.loading import check_device, check_model_ref, check_remote_code_allowed, read_config_dict
+from .errors import RequestError
 from .guard import RequestRegistry, ServeGuard, ServeLimits, model_aliases
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -130,13 +135,19 @@ def check_serve_inputs(
         raise KHAError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_CHOICES)}")
     if device != "auto":
         check_device(device)
-    counts = {"max_new_tokens": limits.max_new_tokens, "max_request_bytes": limits.max_request_bytes}
+    counts = {
+        "max_new_tokens": limits.max_new_tokens,
+        "max_request_bytes": limits.max_request_bytes,
+        "max_connections": limits.max_connections,
+    }
     counts.update({name: value for name, value in (cache_sizes or {}).items() if value is not None})
     for name, value in counts.items():
         if not isinstance(value, int) or value < 1:
             raise KHAError(f"{name} must be a positive integer, got {value!r}")
-    if not limits.request_timeout > 0:
-        raise KHAError(f"request_timeout must be a positive number of seconds, got {limits.request_timeout!r}")
+    for name in ("request_timeout", "read_timeout"):
+        value = getattr(limits, name)
+        if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+            raise KHAError(f"{name} must be a positive number of seconds, got {value!r}")
     path = Path(model).expanduser()
     if not path.exists():
         return str(model)  # a Hub id
@@ -168,15 +179,20 @@ def start_server(
     CB_NUM_BLOCKS (blocks of 256 tokens) and CB_MAX_BATCH_TOKENS size continuous batching's paged KV cache and its
     batches (defaults: see `cb_sizes`)."""
     from transformers.cli import serve as serve_module
-    from transformers.cli.serving import model_manager
-    from transformers.cli.serving import server as server_module
-    from transformers.cli.serving import utils as serving_utils
     from transformers.utils.import_utils import is_serve_available
-
-    from .generation import kha_generation_state_class
 
     if not is_serve_available():
         raise KHAError("serving needs transformers' serving extras: pip install 'kha-hf[serve]'")
+    import uvicorn
+    from fastapi.responses import Response
+    from transformers.cli.serving import chat_completion, completion, model_manager, response
+    from transformers.cli.serving import server as server_module
+    from transformers.cli.serving import utils as serving_utils
+
+    from .connections import kha_uvicorn_config_class
+    from .generation import kha_generation_state_class
+    from .handlers import kha_handler_classes
+
     limits = limits or ServeLimits()
     cache_sizes = {"cb_num_blocks": cb_num_blocks, "cb_max_batch_tokens": cb_max_batch_tokens}
     served = check_serve_inputs(model, device, dtype, trust_remote_code, limits, cache_sizes)
@@ -186,15 +202,25 @@ def start_server(
 
     def guarded_build_server(*args, **kwargs):
         app = build_server(*args, **kwargs)
+
+        async def request_error(_request, err: RequestError):  # a handler's refusal, in OpenAI's error format
+            return Response(err.body(), status_code=err.status, media_type="application/json")
+
+        app.add_exception_handler(RequestError, request_error)
         app.add_middleware(
             ServeGuard, served=served, aliases=model_aliases(str(model), served), limits=limits, registry=registry
         )
         return app
 
+    handlers = kha_handler_classes(limits, registry)
     with (
         mock.patch.object(model_manager, "ModelManager", kha_model_manager_class()),
         mock.patch.object(serving_utils, "GenerationState", kha_generation_state_class(limits, registry)),
+        mock.patch.object(chat_completion, "ChatCompletionHandler", handlers["ChatCompletionHandler"]),
+        mock.patch.object(completion, "CompletionHandler", handlers["CompletionHandler"]),
+        mock.patch.object(response, "ResponseHandler", handlers["ResponseHandler"]),
         mock.patch.object(server_module, "build_server", guarded_build_server),
+        mock.patch.object(uvicorn, "Config", kha_uvicorn_config_class(limits.read_timeout, limits.max_connections)),
     ):
         server = serve_module.Serve(
             force_model=served,

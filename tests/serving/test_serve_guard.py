@@ -18,25 +18,12 @@ from transformers import AutoTokenizer
 from kha_hf import KHAForCausalLM
 from kha_hf.serving.guard import RequestRegistry, ServeGuard, ServeLimits
 from kha_hf.serving.server import start_server
-from tests.helpers import free_port, save_tiny_checkpoint
+from tests.helpers import free_port
+from tests.serving.servers import tiny_kha
 
 pytest.importorskip("fastapi")
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 LIMIT = 32  # the servers' --max-new-tokens
-
-
-def tiny_kha(folder, max_positions: int, eos: bool = True) -> None:
-    model = save_tiny_checkpoint(folder, knock="mlp_v", max_position_embeddings=max_positions)
-    if not eos:  # generation never stops early: it runs to max_new_tokens
-        model.generation_config.eos_token_id = None
-        model.generation_config.save_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +135,14 @@ def test_other_model_names_are_not_found(served, name):
         ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop"),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            400,
+            "messages[0].content[0].text",
+        ),
         ("/v1/responses", {"input": 5}, 400, "input"),
         ("/v1/completions", {"prompt": "x", "model": 5}, 404, "model"),
     ],

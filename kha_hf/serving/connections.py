@@ -1,0 +1,99 @@
+"""Connection limits of `kha serve`, below the HTTP requests: read timeouts, idle sockets, a cap on connections.
+
+transformers 5.24 starts uvicorn with its defaults (`uvicorn.Config(app, host, port, log_level)`). uvicorn 0.54
+offers:
+
+- `timeout_keep_alive` (5 s): closes a connection idle *after* a response. Used as is.
+- `h11_max_incomplete_event_size` (16 KiB): the most header bytes buffered before a 400. Set explicitly.
+- `ws="none"`: no WebSocket upgrades (kha serve has no WebSocket endpoint).
+- `limit_concurrency`: not used. It accepts every socket and answers 503 only once a request on it is complete,
+  so sockets that never finish a request still pile up (3,000 held at once in issue #28).
+
+What uvicorn does not offer is a deadline for *receiving* a request: a socket that sends nothing, trickles its
+headers a byte every few seconds, or never finishes its body stays open for ever (the keep-alive timer is armed
+only after a response). `guarded_protocol_class` subclasses uvicorn's h11 protocol to add, per connection:
+
+- a read deadline: from the connection's start (or the first byte of its next request) the whole request,
+  headers and body, must arrive within `read_timeout` seconds, else 408 and the socket is closed (an app waiting
+  for the rest of the body sees a disconnect). It does not run while the server works on a complete request;
+- a cap: a connection accepted while `max_connections` are open gets 503 and is closed at once.
+
+`kha_uvicorn_config_class` is the uvicorn.Config that `kha serve` swaps in while transformers builds its server.
+"""
+
+from __future__ import annotations
+
+TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+FULL_RESPONSE = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+MAX_HEADER_BYTES = 16 * 1024
+
+
+def guarded_protocol_class(read_timeout: float, max_connections: int):
+    """uvicorn's h11 protocol with a read deadline per request and a cap on open connections."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        read_deadline = None  # asyncio.TimerHandle while a request is being received
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.write(FULL_RESPONSE)
+                transport.close()
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self.read_deadline is None and not self._request_received():
+                self._arm()  # the first bytes of a request after a response
+            super().data_received(data)
+            if self._request_received():
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # may start a pipelined request from buffered bytes
+            if not self.transport.is_closing() and self.cycle is not None and self.cycle.more_body:
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _request_received(self) -> bool:
+            """Whether a complete request is in hand (the server is working on it, or answering)."""
+            cycle = self.cycle
+            return cycle is not None and not cycle.more_body and not cycle.response_complete
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.read_deadline = self.loop.call_later(read_timeout, self._read_timed_out)
+
+        def _disarm(self) -> None:
+            if self.read_deadline is not None:
+                self.read_deadline.cancel()
+                self.read_deadline = None
+
+        def _read_timed_out(self) -> None:
+            self.read_deadline = None
+            if self._request_received() or self.transport.is_closing():
+                return
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or not cycle.response_started:  # nothing answered yet
+                self.transport.write(TIMEOUT_RESPONSE)
+            self.transport.close()  # an app reading the body gets http.disconnect
+
+    return GuardedH11Protocol
+
+
+def kha_uvicorn_config_class(read_timeout: float, max_connections: int):
+    """uvicorn.Config with kha serve's connection limits (see the module doc)."""
+    import uvicorn
+
+    protocol = guarded_protocol_class(read_timeout, max_connections)
+
+    class KHAUvicornConfig(uvicorn.Config):
+        def __init__(self, app, **kwargs) -> None:
+            kwargs.update(http=protocol, ws="none", h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+            super().__init__(app, **kwargs)
+
+    return KHAUvicornConfig

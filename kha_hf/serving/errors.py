@@ -1,0 +1,17 @@
+"""The error a request gets from kha serve's own checks, in OpenAI's error format."""
+
+from __future__ import annotations
+
+import json
+
+
+class RequestError(Exception):
+    """A request the guard (or a handler) answers itself, in OpenAI's error format."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": self.code}
+        return json.dumps({"error": error}).encode()

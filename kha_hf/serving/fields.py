@@ -1,0 +1,388 @@
+"""What a request to `kha serve` may carry: one allowlist per endpoint, every field with its type and range.
+
+A field that is not listed for its endpoint answers 400 naming it, and so does a listed field of the wrong type
+or out of range, at any depth (`messages[2].content[0].text`). The lists hold what transformers 5.24's handlers
+apply, so nothing a client sends is silently ignored; the ranges keep every value inside what transformers
+accepts without an exception (a 500), and keep the work a request can ask for small:
+
+- `stop`: at most MAX_STOP_STRINGS strings of 1..MAX_STOP_CHARS characters (transformers builds
+  `StopStringCriteria` over vocabulary x stop strings before the first token, where no time limit runs);
+- `logit_bias`: at most MAX_LOGIT_BIAS entries, keys token ids written in decimal, values in [-100, 100] (sent on
+  as floats: an integer bias reaches `SequenceBiasLogitsProcessor`, which demands floats); token ids are checked
+  against the model's vocabulary where the model is known (`handlers.py`);
+- no field may nest deeper than MAX_DEPTH levels, numbers must be finite;
+- `chat_template_kwargs` and `generation_config` are not accepted: the first reaches `apply_chat_template` (a
+  client's own template, or `padding="max_length"` with any `max_length`), the second bypasses every limit.
+
+Values are normalised on the way (a `null` optional field is dropped, `stop: []` means no stop strings, integer
+biases become floats), and the body passed on to transformers is the one checked here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+
+from .errors import RequestError
+
+MAX_DEPTH = 32  # nesting levels of the whole body (a tool's JSON schema included)
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_CHARS = 64
+MAX_LOGIT_BIAS = 300
+MAX_MESSAGES = 1024
+MAX_TOOLS = 64
+MAX_SEED = 2**64 - 1  # torch.manual_seed's largest
+MIN_TEMPERATURE = 0.01
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+TEXT_PARTS = {"/v1/chat/completions": ("text",), "/v1/responses": ("input_text", "output_text")}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+REFUSED = {
+    "chat_template_kwargs": "chat_template_kwargs is not accepted by kha serve: prompts are rendered with the "
+    "model's own chat template",
+    "generation_config": "generation_config is not accepted by kha serve: use max_tokens, temperature, top_p, seed",
+}
+
+Check = Callable[[object, str], object]  # (value, the field's name) -> the value to pass on; RequestError if bad
+
+
+def bad(name: str, must: str, value) -> RequestError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return RequestError(400, f"{name} must be {must}, got {shown}", name)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def boolean(value, name):
+    if not isinstance(value, bool):
+        raise bad(name, "true or false", value)
+    return value
+
+
+def integer(low: int, high: int, note: str = "") -> Check:
+    def check(value, name):
+        if not is_int(value) or not low <= value <= high:
+            raise bad(name, f"an integer from {low} to {high}{note}", value)
+        return value
+
+    return check
+
+
+def number(low: float, high: float, low_open: bool = False) -> Check:
+    bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+
+    def check(value, name):
+        if not is_number(value) or not (value > low if low_open else value >= low) or value > high:
+            raise bad(name, f"a number in {bound}", value)
+        return value
+
+    return check
+
+
+def string(max_chars: int | None = None, min_chars: int = 0) -> Check:
+    def check(value, name):
+        if not isinstance(value, str):
+            raise bad(name, "a string", value)
+        if len(value) < min_chars or (max_chars is not None and len(value) > max_chars):
+            raise bad(name, f"a string of {min_chars} to {max_chars} characters", value)
+        return value
+
+    return check
+
+
+def one_of(*allowed) -> Check:
+    def check(value, name):
+        if isinstance(value, bool) or value not in allowed:
+            raise bad(name, " or ".join(repr(a) for a in allowed), value)
+        return value
+
+    return check
+
+
+def temperature(value, name):
+    """A temperature in [0, 2]; below MIN_TEMPERATURE it decodes greedily (its limit): transformers would divide
+    the logits by it and overflow them to inf (NaN probabilities, a 500)."""
+    number(0.0, 2.0)(value, name)
+    return 0 if value < MIN_TEMPERATURE else value
+
+
+def json_object(value, name):
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise bad(name, "a JSON object", value)
+    return value
+
+
+def stop(value, name):
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, list) or len(strings) > MAX_STOP_STRINGS:
+        raise bad(name, f"a string or a list of at most {MAX_STOP_STRINGS} strings", value)
+    for i, item in enumerate(strings):
+        string(MAX_STOP_CHARS, 1)(item, f"{name}[{i}]" if isinstance(value, list) else name)
+    return strings or None  # an empty list: no stop strings
+
+
+def logit_bias(value, name):
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise bad(name, f"an object of at most {MAX_LOGIT_BIAS} token ids", value)
+    biases = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad(name, "an object whose keys are token ids", key)
+        number(-100, 100)(bias, f"{name}[{key}]")
+        biases[str(int(key))] = float(bias)  # transformers 5.24's SequenceBiasLogitsProcessor takes floats only
+    return biases or None  # transformers 5.24 fails on an empty sequence_bias
+
+
+def fields_of(spec: dict[str, Check], required: tuple[str, ...] = ()) -> Check:
+    """An object holding only SPEC's keys (REQUIRED among them), each checked by its Check."""
+
+    def check(value, name):
+        if not isinstance(value, dict):
+            raise bad(name, f"an object with fields {', '.join(spec)}", value)
+        out = {}
+        for key, item in value.items():
+            if key not in spec:
+                raise RequestError(400, f"{name}.{key} is not accepted (accepted: {', '.join(spec)})", f"{name}.{key}")
+            if item is not None:
+                out[key] = spec[key](item, f"{name}.{key}")
+        for key in required:
+            if out.get(key) is None:
+                raise RequestError(400, f"{name}.{key} is required", f"{name}.{key}")
+        return out
+
+    return check
+
+
+def list_of(item_check: Check, max_items: int, min_items: int = 0) -> Check:
+    def check(value, name):
+        if not isinstance(value, list) or not min_items <= len(value) <= max_items:
+            raise bad(name, f"a list of {min_items} to {max_items} items", value)
+        return [item_check(item, f"{name}[{i}]") for i, item in enumerate(value)]
+
+    return check
+
+
+def arguments(value, name):
+    """A tool call's arguments: a JSON object, or its text (transformers parses the text into the object)."""
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except (ValueError, RecursionError):
+            raise bad(name, "a JSON object or its text", value) from None
+        problem = structure_problem(parsed)
+        if problem is not None:
+            raise RequestError(400, f"{name} {problem}", name)
+        json_object(parsed, name)
+        return value
+    return json_object(value, name)
+
+
+def content(parts: tuple[str, ...]) -> Check:
+    """Message content: a string, or a list of text parts (this server serves text models only)."""
+    part = fields_of({"type": one_of(*parts), "text": string()}, required=("type", "text"))
+
+    def check(value, name):
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise bad(name, f"a string or a list of {{type: {'|'.join(parts)}, text}} parts", value)
+        return list_of(part, MAX_MESSAGES)(value, name)
+
+    return check
+
+
+def function_name(value, name):
+    if not isinstance(value, str) or not TOOL_NAME.match(value):
+        raise bad(name, "a function name of 1 to 64 letters, digits, _ . -", value)
+    return value
+
+
+FUNCTION_FIELDS = {"name": function_name, "description": string(), "parameters": json_object, "strict": boolean}
+CHAT_TOOL = fields_of(
+    {"type": one_of("function"), "function": fields_of(FUNCTION_FIELDS, required=("name",))},
+    required=("type", "function"),
+)
+# the Responses API's flat form ({type, name, parameters...}); transformers nests it for the template
+RESPONSE_TOOL = fields_of({"type": one_of("function"), **FUNCTION_FIELDS}, required=("type", "name"))
+TOOL_CALL = fields_of(
+    {
+        "id": string(256),
+        "type": one_of("function"),
+        "function": fields_of({"name": string(64, 1), "arguments": arguments}, required=("name", "arguments")),
+    },
+    required=("function",),
+)
+MESSAGE = fields_of(
+    {
+        "role": one_of(*CHAT_ROLES),
+        "content": content(TEXT_PARTS["/v1/chat/completions"]),
+        "tool_calls": list_of(TOOL_CALL, MAX_TOOLS),
+        "tool_call_id": string(256),
+    },
+    required=("role",),
+)
+RESPONSE_ITEMS = {  # /v1/responses input items, by type
+    "message": fields_of(
+        {
+            "type": one_of("message"),
+            "role": one_of(*CHAT_ROLES),
+            "content": content(TEXT_PARTS["/v1/responses"]),
+        },
+        required=("role", "content"),
+    ),
+    "function_call": fields_of(
+        {
+            "type": one_of("function_call"),
+            "call_id": string(256),
+            "name": string(64, 1),
+            "arguments": arguments,
+            "id": string(256),
+            "status": string(32),
+        },
+        required=("type", "call_id", "name", "arguments"),
+    ),
+    "function_call_output": fields_of(
+        {"type": one_of("function_call_output"), "call_id": string(256), "output": string(), "id": string(256)},
+        required=("type", "call_id", "output"),
+    ),
+}
+
+
+def response_input(value, name):
+    """`input` of /v1/responses: a string, a list of text parts (one user message), or a list of items."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_MESSAGES:
+        raise bad(name, f"a string or a list of 1 to {MAX_MESSAGES} input items", value)
+    if isinstance(value[0], dict) and "role" not in value[0]:  # transformers 5.24: a list of parts, one message
+        return content(TEXT_PARTS["/v1/responses"])(value, name)
+    out = []
+    for i, item in enumerate(value):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if not isinstance(kind, str) or kind not in RESPONSE_ITEMS or (kind == "message" and "role" not in item):
+            raise bad(f"{name}[{i}]", "a message {role, content}, a function_call or a function_call_output", item)
+        out.append(RESPONSE_ITEMS[kind](item, f"{name}[{i}]"))
+    return out
+
+
+def endpoint_fields(max_new_tokens: int) -> dict[str, tuple[dict[str, Check], tuple[str, ...]]]:
+    """Per endpoint: the accepted fields with their checks, and the required ones."""
+    new_tokens = integer(1, max_new_tokens, " (this server's --max-new-tokens)")
+    sampling = {
+        "model": string(),  # matched against the served model by the guard
+        "stream": boolean,
+        "temperature": temperature,
+        "top_p": number(0.0, 1.0, low_open=True),
+        "seed": integer(0, MAX_SEED),
+        "user": string(256),  # the end user's id (OpenAI): informational
+    }
+    # frequency_penalty becomes transformers' repetition_penalty = 1 + frequency_penalty, which must be > 0 and
+    # divides positive logits: at least 0.1, so that they cannot overflow
+    penalty = number(-0.9, 2.0)
+    return {
+        "/v1/chat/completions": (
+            {
+                **sampling,
+                "messages": list_of(MESSAGE, MAX_MESSAGES, min_items=1),
+                "max_tokens": new_tokens,
+                "max_completion_tokens": new_tokens,
+                "frequency_penalty": penalty,
+                "logit_bias": logit_bias,
+                "stop": stop,
+                "tools": list_of(CHAT_TOOL, MAX_TOOLS),
+                "n": one_of(1),
+            },
+            ("messages",),
+        ),
+        "/v1/completions": (
+            {
+                **sampling,
+                "prompt": string(),
+                "max_tokens": new_tokens,
+                "frequency_penalty": penalty,
+                "stop": stop,
+                "suffix": string(),
+                "n": one_of(1),
+            },
+            ("prompt",),
+        ),
+        "/v1/responses": (
+            {
+                **sampling,
+                "input": response_input,
+                "instructions": string(),
+                "max_output_tokens": new_tokens,
+                "tools": list_of(RESPONSE_TOOL, MAX_TOOLS),
+                "parallel_tool_calls": boolean,
+            },
+            ("input",),
+        ),
+    }
+
+
+def _walk(value) -> tuple[int, bool]:
+    """(nesting depth, counted until it passes MAX_DEPTH; whether every string in VALUE, keys included, is text)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, str):
+            if not _is_text(item):
+                return deepest, False
+        elif isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            if level > MAX_DEPTH:
+                break
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, level + 1) for child in children)
+    return deepest, True
+
+
+def structure_problem(value) -> str | None:
+    """What makes VALUE unfit to pass on whatever its field: nesting past MAX_DEPTH, or a string that is not
+    Unicode text (a lone surrogate such as "\\ud800", which JSON allows; transformers fails where it encodes it)."""
+    levels, text = _walk(value)
+    if levels > MAX_DEPTH - 1:
+        return f"is nested more than {MAX_DEPTH} levels deep"
+    if not text:
+        return "holds a string that is not Unicode text (a lone surrogate)"
+    return None
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def checked_fields(body: dict, path: str, max_new_tokens: int) -> dict:
+    """BODY (a parsed JSON object) with only the fields PATH accepts, each checked and normalised."""
+    spec, required = endpoint_fields(max_new_tokens)[path]
+    out = {}
+    for key, value in body.items():
+        if not _is_text(key):
+            raise RequestError(400, "a field name is not Unicode text (a lone surrogate)")
+        if key in REFUSED:
+            raise RequestError(400, REFUSED[key], key)
+        if key not in spec:
+            raise RequestError(400, f"{key} is not accepted by {path} on kha serve (accepted: {', '.join(spec)})", key)
+        problem = structure_problem(value)
+        if problem is not None:
+            raise RequestError(400, f"{key} {problem}", key)
+        if value is not None:
+            checked = spec[key](value, key)
+            if checked is not None:
+                out[key] = checked
+    for key in required:
+        if key not in out:
+            raise RequestError(400, f"{key} is required", key)
+    return out
