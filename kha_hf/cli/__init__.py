@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from .. import register_auto_classes
 
     register_auto_classes()  # deferred by the `kha` entry point until the arguments are known to be good
+    _quiet_interrupted_progress_bars()
     try:
         return args.func(args)
     except KHAError as err:
@@ -62,10 +63,32 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM/SIGHUP while writing a checkpoint
         print(f"kha {args.command}: {err or 'interrupted'}", file=sys.stderr)
         return 130
+    except RecursionError:  # a hostile file nested thousands deep, past the checks that name it
+        print(f"kha {args.command}: error: an input file nests too deeply to be read", file=sys.stderr)
+        return 2
     except OSError as err:  # the file system said no (read-only, full, permissions): not a bug of kha
         where = f": {err.filename}" if err.filename else ""
         print(f"kha {args.command}: error: {err.strerror or err}{where}", file=sys.stderr)
         return 2
+
+
+def _quiet_interrupted_progress_bars() -> None:
+    """A signal that lands inside tqdm's constructor leaves a half-built bar whose __del__ then fails ("Exception
+    ignored in: <function tqdm.__del__>" and a traceback, after kha's one-line message). Such errors of tqdm's
+    finaliser say nothing to the user: drop them; every other unraisable error is reported as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_kha_quiet_tqdm", False):
+        return
+
+    def hook(unraisable):
+        where = getattr(unraisable.object, "__qualname__", "") or type(unraisable.object).__qualname__
+        module = getattr(unraisable.object, "__module__", "") or ""
+        if module.startswith("tqdm") and where.endswith("__del__"):
+            return
+        previous(unraisable)
+
+    hook._kha_quiet_tqdm = True
+    sys.unraisablehook = hook
 
 
 if __name__ == "__main__":

@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import argparse
 
+MAX_LAYER_INDEX = 9_999  # far more decoder layers than any model has; the model's own count is checked later
+
 
 def parse_layers(text: str) -> list[int]:
-    """'0,1,5-7' -> [0, 1, 5, 6, 7]; a list that selects no layer ('', ',', '3-1') is an error."""
+    """'0,1,5-7' -> [0, 1, 5, 6, 7]; a list that selects no layer ('', ',', '3-1') is an error, and so is an
+    index above MAX_LAYER_INDEX (checked before a range is expanded: '0-999999999' allocates nothing)."""
     layers: list[int] = []
     try:
         for part in text.split(","):
-            if "-" in part:
-                lo, hi = part.split("-")
-                if int(lo) > int(hi):
+            bounds = [int(n) for n in part.split("-")] if "-" in part else [int(part)] if part.strip() else []
+            if len(bounds) > 2 or any(n < 0 for n in bounds):
+                raise ValueError(f"bad range {part}")
+            if any(n > MAX_LAYER_INDEX for n in bounds):
+                raise argparse.ArgumentTypeError(f"layer {max(bounds)} in {text!r}: no model has that many layers")
+            if len(bounds) == 2:
+                if bounds[0] > bounds[1]:
                     raise ValueError(f"empty range {part}")
-                layers.extend(range(int(lo), int(hi) + 1))
-            elif part.strip():
-                layers.append(int(part))
+                layers.extend(range(bounds[0], bounds[1] + 1))
+            else:
+                layers.extend(bounds)
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"invalid layer list {text!r}; use e.g. 0,1,4-7") from err
     if not layers:
@@ -40,6 +47,36 @@ def _number(text: str, cast: type, minimum: float, inclusive: bool, what: str):
 def positive_int(text: str) -> int:
     """argparse type: an integer > 0 (steps, sizes)."""
     return _number(text, int, 0, False, "an integer")
+
+
+def bounded_int(maximum: int, what: str = ""):
+    """argparse type factory: an integer from 1 to MAXIMUM (sizes that allocate memory: capped before any does)."""
+
+    def parse(text: str) -> int:
+        value = _number(text, int, 0, False, "an integer")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:,}{what}, got {text}")
+        return value
+
+    parse.__name__ = "bounded_int"  # argparse names the type in some messages
+    return parse
+
+
+MAX_SEED = 2**32 - 1  # numpy's seeds (which Trainer and lm-eval set) must lie in 0 .. 2**32 - 1
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a random seed, 0 .. 2**32 - 1 (numpy refuses others with a traceback)."""
+    value = _number(text, int, 0, True, "an integer")
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be a seed from 0 to {MAX_SEED}, got {text}")
+    return value
+
+
+# Caps of the CLI's sizes, far above any real run, refused before anything is allocated.
+MAX_BATCH = 65_536  # blocks (or documents) per device and step
+MAX_SEQ_LEN = 1 << 20  # tokens per block
+MAX_STEPS = 10**9
 
 
 def port_number(text: str) -> int:
@@ -94,6 +131,22 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """Arguments left over after a subcommand are that subcommand's error (`kha train: error: unrecognized
+        arguments: ...`), not the top-level parser's (`kha: error:`)."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(namespace, "command", None)
+            parser = self._subcommand_parsers().get(command, self) if command else self
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
+
+    def _subcommand_parsers(self) -> dict:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

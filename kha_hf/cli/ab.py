@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from ..modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
-from ._common import HelpFormatter, non_negative_float, positive_int, rate_list
+from ._common import (
+    MAX_BATCH,
+    MAX_SEQ_LEN,
+    MAX_STEPS,
+    HelpFormatter,
+    bounded_int,
+    non_negative_float,
+    positive_int,
+    rate_list,
+    seed_int,
+)
 
 LR_GRID_FULL = (2e-5, 5e-5, 1.5e-4)  # = kha_hf.workflows.continued_ab's (not imported: `kha ab --help` stays light)
 LR_GRID_SMALL = (1e-3, 3e-3, 1e-2)
@@ -43,15 +53,17 @@ def add_parser(sub) -> None:
     p.add_argument("--knock", default=DEFAULT_KNOCK, choices=sorted(KNOCK_PRESETS), help="knock preset of the twin")
     p.add_argument("--output", default="kha-ab", help="new folder for loss_curves.csv/.png and summary.json")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output folder of kha results")
-    p.add_argument("--max-steps", type=positive_int, help="optimizer steps (default: the preset's)")
-    p.add_argument("--seq-len", type=positive_int, help="tokens per block (default: the preset's)")
-    p.add_argument("--batch-size", type=positive_int, help="blocks per step (default: the preset's)")
+    p.add_argument("--max-steps", type=bounded_int(MAX_STEPS), help="optimizer steps (default: the preset's)")
+    p.add_argument("--seq-len", type=bounded_int(MAX_SEQ_LEN), help="tokens per block (default: the preset's)")
+    p.add_argument("--batch-size", type=bounded_int(MAX_BATCH), help="blocks per step (default: the preset's)")
     p.add_argument(
         "--lr", type=non_negative_float, help="peak learning rate (default: the preset's; with --from: knocks and LoRA)"
     )
     p.add_argument("--data", nargs="*", default=None, help="training text (default: embedded Shakespeare)")
-    p.add_argument("--seed", type=int, default=0, help="first seed (model init and data order); seeds run from it")
-    p.add_argument("--seeds", type=positive_int, default=5, help="how many seeds: a 95 %% interval needs 2 or more")
+    p.add_argument("--seed", type=seed_int, default=0, help="first seed (model init and data order); seeds run from it")
+    p.add_argument(
+        "--seeds", type=bounded_int(1000), default=5, help="how many seeds: a 95 %% interval needs 2 or more"
+    )
     p.add_argument("--bf16", action="store_true", help="train in bfloat16 mixed precision")
     cont = p.add_argument_group("continued training from a real checkpoint (--from)")
     cont.add_argument(
@@ -83,6 +95,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..common.errors import KHAError
+    from ._common import MAX_SEED
+
+    if args.seed + args.seeds - 1 > MAX_SEED:
+        raise KHAError(f"--seed {args.seed} with --seeds {args.seeds} runs past the largest seed, {MAX_SEED}")
     if args.from_model:
         return _run_continued(args)
     from ..training.ab import ab

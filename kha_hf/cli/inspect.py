@@ -20,6 +20,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("kha_dir", metavar="KHA_DIR", help="a KHA checkpoint folder (only its knock tensors are read)")
     p.add_argument("--plot", metavar="PATH.png", help="write a heatmap grid (knocks x layers)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --plot file (never through a link)")
     p.add_argument(
         "--max-layers",
         type=non_negative_int,
@@ -31,13 +32,17 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..common.output import atomic_output_file
+    from ..common.paths import check_file_destination
     from ..conversion.knock_stats import check_plot_path, format_table, knock_statistics, plot_knocks, to_json
 
     if args.plot:
         check_plot_path(args.plot)  # before any work: a bad name is a one-line error
+        check_file_destination(args.plot, args.overwrite)  # no link written through, no file replaced unasked
     rows = knock_statistics(args.kha_dir)
     print(to_json(rows) if args.json else format_table(rows))
     if args.plot:
-        path = plot_knocks(args.kha_dir, args.plot, max_layers=args.max_layers or None)
-        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+        with atomic_output_file(args.plot, overwrite=args.overwrite) as tmp:  # appears complete, or not at all
+            plot_knocks(args.kha_dir, tmp, max_layers=args.max_layers or None)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0

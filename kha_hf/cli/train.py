@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter, non_negative_float, positive_int
+from ._common import MAX_BATCH, MAX_SEQ_LEN, MAX_STEPS, HelpFormatter, bounded_int, non_negative_float, seed_int
 
 
 def add_parser(sub) -> None:
@@ -30,10 +30,10 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output (a model or training run)")
     p.add_argument("--data", nargs="*", default=None, help=".txt/.md/.jsonl files or folders, or a Hub dataset")
     p.add_argument("--mode", choices=MODES, default="knocks", help="what trains: knocks only, knocks + LoRA, or all")
-    p.add_argument("--max-steps", type=positive_int, default=200, help="optimizer steps")
-    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per training block")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="blocks per device and step")
-    p.add_argument("--grad-accum", type=positive_int, default=1, help="gradient accumulation steps")
+    p.add_argument("--max-steps", type=bounded_int(MAX_STEPS), default=200, help="optimizer steps")
+    p.add_argument("--seq-len", type=bounded_int(MAX_SEQ_LEN), default=256, help="tokens per training block")
+    p.add_argument("--batch-size", type=bounded_int(MAX_BATCH), default=8, help="blocks per device and step")
+    p.add_argument("--grad-accum", type=bounded_int(MAX_BATCH), default=1, help="gradient accumulation steps")
     p.add_argument("--lr", type=non_negative_float, default=None, help="peak learning rate (default by mode)")
     p.add_argument("--knock-lr", type=non_negative_float, default=None, help="separate learning rate for the knocks")
     p.add_argument("--bf16", action="store_true", help="train in bfloat16 mixed precision")
@@ -43,12 +43,18 @@ def add_parser(sub) -> None:
         action="store_true",
         help="continue an interrupted run of --output (or from the last checkpoint-N in it)",
     )
-    p.add_argument("--save-steps", type=positive_int, default=None, help="checkpoint interval (default: half the run)")
-    p.add_argument("--logging-steps", type=positive_int, default=None, help="log interval (default: 20 logs a run)")
-    p.add_argument("--lora-r", type=positive_int, default=16, help="LoRA rank (--mode lora)")
-    p.add_argument("--max-eval-blocks", type=positive_int, default=256, help="held-out blocks evaluated at the end")
+    p.add_argument(
+        "--save-steps", type=bounded_int(MAX_STEPS), default=None, help="checkpoint interval (default: half the run)"
+    )
+    p.add_argument(
+        "--logging-steps", type=bounded_int(MAX_STEPS), default=None, help="log interval (default: 20 logs a run)"
+    )
+    p.add_argument("--lora-r", type=bounded_int(MAX_BATCH), default=16, help="LoRA rank (--mode lora)")
+    p.add_argument(
+        "--max-eval-blocks", type=bounded_int(MAX_STEPS), default=256, help="held-out blocks evaluated at the end"
+    )
     p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="tokenizer to use when MODEL has none")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model init, data order and dropout")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the model init, data order and dropout")
     p.add_argument("--report-to", default="none", help="Trainer loggers: none, tensorboard, wandb, ...")
     p.set_defaults(func=run)
 

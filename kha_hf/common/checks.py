@@ -8,6 +8,7 @@ claims 10^9 layers allocates until the machine runs out of memory, and head coun
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -35,7 +36,9 @@ _PROJECTION = re.compile(r"^(?:.*\.)?layers\.\d+\.self_attn\.(\w+)\.weight$")
 
 
 def check_config_numbers(config: dict, where: str) -> None:
-    """Sizes are positive integers; the dtype names a torch floating dtype (or 'auto')."""
+    """Sizes are positive integers; the dtype names a torch floating dtype (or 'auto'); no value is NaN or
+    infinite; the activation, RoPE and layer types are ones the model code knows (`check_config_values`)."""
+    check_config_values(config, where)
     for name in SIZE_FIELDS:
         value = config.get(name)
         if name in config and value is not None and (type(value) is not int or value <= 0):
@@ -46,6 +49,100 @@ def check_config_numbers(config: dict, where: str) -> None:
             dtype = getattr(torch, value.removeprefix("torch."), None)
             if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
                 raise KHAError(f"{where}: {name} {value!r} is not a torch floating-point dtype")
+
+
+_SOFTMAX_LAYER_TYPES = {"full_attention", "sliding_attention"}
+_ROPE_NUMBERS = ("rope_theta", "factor", "partial_rotary_factor")
+
+
+def check_config_values(config: dict, where: str) -> None:
+    """Values that transformers only reads while building the model, where a bad one is a traceback (KeyError
+    'evil', a str ** Tensor TypeError) or a silent NaN: checked here, before anything is built."""
+    bad = _non_finite(config)
+    if bad is not None:
+        raise KHAError(f"{where}: {bad} is not a finite number")
+    from transformers.activations import ACT2FN
+
+    for name in ("hidden_act", "hidden_activation"):
+        value = config.get(name)
+        if value is not None and (not isinstance(value, str) or value not in ACT2FN):
+            raise KHAError(f"{where}: {name} {value!r} is not an activation transformers knows (e.g. silu, gelu)")
+    _check_rope(config, where)
+    _check_layer_types(config, where)
+
+
+def _non_finite(value, path: str = "", depth: int = 0) -> str | None:
+    """The key path of the first NaN or infinite number in VALUE (a parsed JSON value), else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "a value"
+    if depth > 64:  # config.json files nest a few levels; a deeper one is refused where it is read
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{path}.{key}" if path else str(key), depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _check_rope(config: dict, where: str) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    known = {"default", *ROPE_INIT_FUNCTIONS}
+    for field in ("rope_parameters", "rope_scaling"):
+        value = config.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise KHAError(f"{where}: {field} must be a JSON object, got {type(value).__name__}")
+        nested = value and all(isinstance(v, dict) or v is None for v in value.values())
+        for key, parameters in value.items() if nested else [(None, value)]:
+            name = f"{field}.{key}" if key else field
+            if parameters is None:
+                continue
+            rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+            if not isinstance(rope_type, str) or rope_type not in known:
+                raise KHAError(f"{where}: {name} rope_type {rope_type!r} is not one of: {', '.join(sorted(known))}")
+            _check_rope_numbers(parameters, name, where)
+    _check_rope_numbers(config, "", where)
+
+
+def _check_rope_numbers(parameters: dict, name: str, where: str) -> None:
+    for number in _ROPE_NUMBERS:
+        value = parameters.get(number)
+        if value is not None and (type(value) not in (int, float) or not value > 0):
+            shown = f"{name}.{number}" if name else number
+            raise KHAError(f"{where}: {shown} must be a positive number, got {value!r}")
+
+
+def _check_layer_types(config: dict, where: str) -> None:
+    """layer_types name only attention kinds the family's model builds (linear attention only where it exists)."""
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        return
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise KHAError(f"{where}: layer_types must be a list of strings")
+    model_type = config.get("base_model_type") if config.get("model_type") == "kha" else config.get("model_type")
+    if model_type not in FAMILIES:
+        return  # another architecture: transformers checks its own
+    allowed = _SOFTMAX_LAYER_TYPES | _family_layer_types(model_type)
+    unknown = sorted(set(layer_types) - allowed)
+    if unknown:
+        raise KHAError(
+            f"{where}: layer_types holds {unknown[0]!r}, which a {model_type} model does not have "
+            f"(allowed: {', '.join(sorted(allowed))})"
+        )
+    layers = config.get("num_hidden_layers")
+    if isinstance(layers, int) and len(layer_types) != layers:
+        raise KHAError(f"{where}: layer_types lists {len(layer_types)} layers, num_hidden_layers is {layers}")
+
+
+def _family_layer_types(model_type: str) -> set[str]:
+    """The layer kinds a family's default config uses (qwen3_next: linear_attention too)."""
+    try:
+        return set(getattr(base_config_class(model_type)(), "layer_types", None) or [])
+    except Exception:  # a config class that needs arguments: only the softmax kinds
+        return set()
 
 
 def check_weights_match_config(config: dict, tensors: dict[str, TensorInfo], where: str) -> None:
@@ -63,6 +160,8 @@ def check_weights_match_config(config: dict, tensors: dict[str, TensorInfo], whe
             )
     vocab = config.get("vocab_size")
     embedding = next((info for name, info in tensors.items() if name.endswith("embed_tokens.weight")), None)
+    if embedding is not None and not embedding.dtype.is_floating_point:
+        raise KHAError(f"{where}: the token embedding is stored as {embedding.dtype}, not a floating-point tensor")
     if isinstance(vocab, int) and embedding is not None and embedding.shape[0] != vocab:
         raise KHAError(f"{where}: config.json says vocab_size {vocab}, the embedding has {embedding.shape[0]} rows")
     hidden = config.get("hidden_size")

@@ -96,6 +96,8 @@ def read_config_dict(folder: Path) -> dict | None:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    except RecursionError:  # JSON nested thousands deep: no config, and no traceback either
+        raise KHAError(f"{folder / 'config.json'} nests too deeply to be a model config") from None
     return config if isinstance(config, dict) else None
 
 
@@ -128,7 +130,7 @@ def remote_code_kwargs(ref: str | Path, trust_remote_code: bool = False, echo=pr
         if not kha_code_matches_installed(folder):
             echo(
                 f"note: {folder} carries KHA code that differs from the installed kha_hf; loading it with the "
-                "installed code (pass --trust-remote-code to run the folder's own code instead)"
+                "installed code (the folder's own code is not run)"
             )
     return {"trust_remote_code": bool(trust_remote_code)}
 
@@ -148,6 +150,49 @@ def check_remote_code_allowed(folder: Path, trust_remote_code: bool) -> None:
     )
 
 
+def check_hub_repo_id(repo_id: str, what: str = "REPO_ID") -> None:
+    """A Hub repo id the Hub can accept ('owner/name' or 'name'), checked before any work."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise KHAError(
+            f"{what} {repo_id!r} is not a valid Hub repo id (use owner/name): {describe_error(err)}"
+        ) from None
+
+
+def check_tokenizer_needs_no_code(folder: Path) -> None:
+    """A folder whose tokenizer only its own code files can build (tokenizer_config.json's auto_map names a class
+    transformers lacks) cannot become a KHA checkpoint: a KHA folder's tokenizer never runs code, so it would
+    never load. Read from the JSON only; nothing of the folder runs."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return  # none, or unreadable: loading the tokenizer says what is wrong
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if isinstance(auto_map, (list, tuple)):  # the oldest form: [slow, fast]
+        auto_map = {"AutoTokenizer": auto_map}
+    if not isinstance(auto_map, dict) or not auto_map.get("AutoTokenizer"):
+        return
+    name = config.get("tokenizer_class")
+    known = False
+    if isinstance(name, str):
+        try:
+            known = tokenizer_class_from_name(name) is not None or tokenizer_class_from_name(f"{name}Fast") is not None
+        except Exception:  # a name transformers cannot resolve
+            known = False
+    if not known:
+        raise KHAError(
+            f"{folder}'s tokenizer needs its own code ({folder / 'tokenizer_config.json'}: auto_map AutoTokenizer, "
+            f"tokenizer_class {name!r}); a KHA checkpoint never runs tokenizer code, so it could not load: convert a "
+            "copy whose tokenizer_config.json names a tokenizer class transformers has"
+        )
+
+
 def _remote_code_error(ref, err: Exception) -> KHAError | None:
     text = str(err)
     if "trust_remote_code" in text:
@@ -158,8 +203,18 @@ def _remote_code_error(ref, err: Exception) -> KHAError | None:
     return None
 
 
-def load_tokenizer(ref: str | Path, tokenizer: str | Path | None = None, trust_remote_code: bool = False, gguf=None):
-    """The tokenizer of REF (or of TOKENIZER when given), with a one-line error that names --tokenizer."""
+def load_tokenizer(
+    ref: str | Path,
+    tokenizer: str | Path | None = None,
+    trust_remote_code: bool = False,
+    gguf=None,
+    offer_trust: bool = True,
+    offer_tokenizer: bool = True,
+):
+    """The tokenizer of REF (or of TOKENIZER when given), with a one-line error that names --tokenizer.
+
+    OFFER_TRUST / OFFER_TOKENIZER: the command has a --trust-remote-code / --tokenizer option, so an error may
+    point to it (an error never advises an option the command lacks)."""
     from transformers import AutoTokenizer
 
     source = tokenizer or ref
@@ -169,19 +224,30 @@ def load_tokenizer(ref: str | Path, tokenizer: str | Path | None = None, trust_r
     if gguf is None and folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
         raise KHAError(
             f"{folder} has no tokenizer files"
-            + ("" if tokenizer else "; pass --tokenizer NAME_OR_PATH (e.g. the base model it was converted from)")
+            + (
+                "; pass --tokenizer NAME_OR_PATH (e.g. the base model it was converted from)"
+                if offer_tokenizer and not tokenizer
+                else ""
+            )
         )
     if folder.is_dir() and (read_config_dict(folder) or {}).get("model_type") == "kha":
         trust_remote_code = False  # a KHA folder's tokenizer is its base model's: none of the folder's code runs
+        offer_trust = False
     try:
         if gguf is not None and tokenizer is None:
             return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as err:
+        if "trust_remote_code" in str(err) and not offer_trust:
+            raise KHAError(
+                f"cannot load a tokenizer from {source}: it needs tokenizer code shipped in the folder (auto_map), "
+                "which this command never runs"
+                + ("; pass --tokenizer NAME_OR_PATH to use another one" if offer_tokenizer else "")
+            ) from err
         reason = _remote_code_error(source, err) or describe_error(err)
         raise KHAError(
             f"cannot load a tokenizer from {source}: {reason}"
-            + ("" if tokenizer else "; pass --tokenizer NAME_OR_PATH to use another one")
+            + ("" if tokenizer or not offer_tokenizer else "; pass --tokenizer NAME_OR_PATH to use another one")
         ) from err
 
 
@@ -192,8 +258,10 @@ def load_causal_lm(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     tokenizer: str | Path | None = None,
+    offer_tokenizer: bool = True,
 ):
-    """(model, tokenizer) for REF, in eval mode on DEVICE; code inside REF runs only with `trust_remote_code`."""
+    """(model, tokenizer) for REF, in eval mode on DEVICE; code inside REF runs only with `trust_remote_code`.
+    OFFER_TOKENIZER: the command has a --tokenizer option (errors may advise it)."""
     from transformers import AutoModelForCausalLM
 
     from .checks import check_checkpoint_against_config
@@ -205,7 +273,8 @@ def load_causal_lm(
     if gguf is None and path.is_dir():
         check_remote_code_allowed(path, trust_remote_code)
         check_checkpoint_against_config(path)  # before anything is built: one line, not a random layer
-    tok = load_tokenizer(ref, tokenizer, trust_remote_code, gguf)  # first: cheap, and its errors are the common ones
+    # first: cheap, and its errors are the common ones
+    tok = load_tokenizer(ref, tokenizer, trust_remote_code, gguf, offer_tokenizer=offer_tokenizer)
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

@@ -6,29 +6,51 @@ import contextlib
 import ctypes
 import errno
 import functools
-import glob
 import json
 import os
 import shutil
 import signal
 import socket
+import stat
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import KHAError
-from .paths import OUTPUT_MARKER, check_replaceable
+from .paths import (
+    OUTPUT_MARKER,
+    PARTIAL_MARKER,
+    check_file_destination,
+    check_replaceable,
+    confined_file,
+    is_training_run,
+)
 
 # Files that describe weights or the model itself: each tool writes its own; everything else is carried over.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".onnx", ".ckpt")
 NOT_CARRIED = {"config.json", "README.md", ".gitattributes", "model.safetensors.index.json"}
 
 
-PARTIAL_MARKER = ".kha-partial"  # inside each temporary folder: who owns it (host and process id)
+PARTIAL_PREFIX, PARTIAL_SUFFIX = ".kha-", ".partial"  # `.kha-<random>.partial`: short, so any valid DST name works
+
+WRITING = "writing"  # a run is writing it (or was, until it was SIGKILLed)
+RESUMABLE = "resumable"  # a training run stopped by a signal or an error kept it: `kha train --resume` adopts it
+OLD = "old"  # the previous DST, swapped out by --overwrite and being removed
 
 
-RESUMABLE = "resumable"  # the marker's second line in a kept training folder: `kha train --resume` adopts it
+@dataclass(frozen=True)
+class Partial:
+    """A temporary folder of a run writing DST (found by its marker, never by its name alone)."""
+
+    folder: Path
+    host: str
+    pid: int
+    start: int | None  # the process's start time (Linux), so a reused process id is not taken for the owner
+    state: str
+    alive: bool  # the owner still runs (or runs on another host, where it cannot be checked)
 
 
 @contextlib.contextmanager
@@ -41,39 +63,62 @@ def atomic_output_dir(
 ) -> Iterator[Path]:
     """Yield an empty temporary folder beside DST; on success it becomes DST, on any failure it is removed.
 
+    - The temporary folder is `.kha-<random>.partial` (its `.kha-partial` marker names DST, the owning host and
+      process), so any DST name the file system accepts works.
     - The existence check is atomic with the final rename (Linux `renameat2`): a DST that appears while we work
       (another run, another program) is never replaced without `overwrite`; that run fails instead.
-    - With `overwrite`, the new folder is swapped in atomically and the old one removed only then, and only if it
-      looks like a folder kha or transformers wrote (`paths.check_replaceable`).
-    - SIGINT, SIGTERM and SIGHUP remove the temporary folder. After SIGKILL or a power cut, DST is absent or as
-      it was, and the next run removes the `.NAME.*.partial` folder it finds whose owning process is gone.
+    - With `overwrite`, the new folder is swapped in atomically and the old one removed only then, and only if kha
+      wrote it (its `.kha-output` marker, `paths.check_replaceable`).
+    - The swap is the commit point: a signal before it removes the temporary folder and leaves DST as it was; one
+      that arrives during the swap or after it is noted and the run ends as a success (DST is the new output).
+    - SIGINT, SIGTERM and SIGHUP before the swap remove the temporary folder. After SIGKILL or a power cut, DST is
+      absent or as it was, and the next run removes the partial it finds whose owning process is gone, unless it
+      holds training checkpoints: that one is kept for `kha train --resume`, and a plain run of DST is refused.
     - `keep_on_failure(tmp)` true (a training run with checkpoints): the folder is kept, marked resumable, for
       `adopt` by a later run, which continues in it instead of a new one.
-    - `marker`: the command name written to `.kha-output` in a results folder, so --overwrite may replace it later.
+    - `marker`: the command name written to `.kha-output`, which every folder kha writes carries: --overwrite
+      replaces nothing else.
 
     Callers check the destination first (`paths.check_destination`); this re-checks at the rename.
     """
     dst = Path(dst).expanduser().absolute()
     if (dst.exists() or dst.is_symlink()) and not overwrite:
         raise KHAError(f"{dst} already exists; pass --overwrite (overwrite=True from Python) to replace it")
+    lock = None
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(dst)
-        tmp = adopt or Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
-        (tmp / PARTIAL_MARKER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
-        if marker:
-            (tmp / OUTPUT_MARKER).write_text(json.dumps({"command": f"kha {marker}"}) + "\n")
-    except OSError as err:
-        raise KHAError(f"cannot write next to {dst}: {err.strerror or err}") from err
+        if adopt is None:
+            check_no_interrupted_run(dst)
+            tmp = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, suffix=PARTIAL_SUFFIX, dir=dst.parent))
+        else:
+            tmp = check_adoptable(adopt, dst)
+        lock = _lock(tmp, created=adopt is None)  # held until the end: two runs never work in one folder
+        _write_partial_marker(tmp, dst, WRITING)
+        _write_new_file(tmp / OUTPUT_MARKER, json.dumps({"command": f"kha {marker or 'output'}"}) + "\n")
+    except BaseException as err:
+        if lock is not None:
+            os.close(lock)
+        if isinstance(err, OSError):
+            raise KHAError(f"cannot write next to {dst}: {err.strerror or err}") from err
+        raise
+    committed = False
     try:
         with _signals_raise_interrupt():
             yield tmp
-            (tmp / PARTIAL_MARKER).unlink()
             _apply_umask(tmp)
-            _move_into_place(tmp, dst, overwrite)
+            with _signals_deferred() as received:
+                old = _move_into_place(tmp, dst, overwrite)  # the commit point
+                committed = True
+                _clear_after_commit(dst, old)
+        if received:
+            names = ", ".join(sorted({signal.Signals(s).name for s in received}))
+            print(f"received {names} after {dst} was put in place: the run completed", file=sys.stderr)
     except BaseException as err:
+        if committed:
+            raise
         if keep_on_failure is not None and keep_on_failure(tmp):
-            (tmp / PARTIAL_MARKER).write_text(f"{socket.gethostname()} {os.getpid()}\n{RESUMABLE}\n")
+            _write_partial_marker(tmp, dst, RESUMABLE)
             print(f"the unfinished run is kept in {tmp}: continue it with --resume, or delete that folder")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -81,6 +126,61 @@ def atomic_output_dir(
             raise KHAError(
                 f"no space left on the device of {dst.parent} while writing {dst.name}; nothing was put in place"
             ) from err
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _lock(folder: Path, created: bool) -> int | None:
+    """An exclusive lock on FOLDER for as long as this run works in it (released by the kernel when the process
+    ends, however it ends): two `--resume` runs never continue the same kept folder. None where the file system
+    has no locks."""
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        if created:
+            raise
+        raise KHAError(f"{folder} is being continued by another run") from None
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextlib.contextmanager
+def atomic_output_file(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a new temporary file beside PATH (same suffix); on success it is renamed to PATH, on any failure
+    removed. The rename replaces a file (with `overwrite`) or a link itself, never writing through one; PATH is
+    checked first (`paths.check_file_destination`) and again at the rename."""
+    path = check_file_destination(path, overwrite)
+    try:
+        fd, name = tempfile.mkstemp(prefix=PARTIAL_PREFIX, suffix=path.suffix, dir=path.parent)
+    except OSError as err:
+        raise KHAError(f"cannot write {path}: {err.strerror or err}") from err
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        with _signals_raise_interrupt():
+            yield tmp
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o666 & ~umask)
+            check_file_destination(path, overwrite)  # it may have changed meanwhile
+            if overwrite:
+                os.replace(tmp, path)
+            else:
+                try:
+                    rename_noreplace(tmp, path)
+                except FileExistsError:
+                    raise KHAError(f"{path} appeared while kha was writing it; it was not replaced") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise
 
 
@@ -91,52 +191,201 @@ def _is_disk_full(err: BaseException) -> bool:
     return type(err).__name__ == "SafetensorError" and "No space left" in str(err)
 
 
-def resumable_partials(dst: Path) -> list[Path]:
-    """Kept folders of interrupted runs for DST (newest first), whose owning process is gone."""
-    dst = Path(dst).expanduser().absolute()
+def _write_new_file(path: Path, text: str) -> None:
+    """Write PATH afresh: whatever was there (a symbolic link included) is removed first, never written through."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _write_partial_marker(folder: Path, dst: Path, state: str) -> None:
+    record = {
+        "destination": dst.name,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start": _process_start(os.getpid()),
+        "state": state,
+    }
+    _write_new_file(folder / PARTIAL_MARKER, json.dumps(record) + "\n")
+
+
+def _read_partial(folder: Path, dst: Path, legacy: bool) -> Partial | None:
+    """The Partial of FOLDER when it is a real folder (not a link) whose marker (a regular file) names DST; None
+    for anything else. A LEGACY folder (`.DST.<random>.partial`, kha-hf <= 0.2) may have the old marker
+    (`host pid` and an optional `resumable` line)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            return None
+        fd = os.open(folder / PARTIAL_MARKER, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            text = f.read(65536).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    try:
+        record = json.loads(text)
+        if not isinstance(record, dict) or record.get("destination") != dst.name:
+            return None
+        host, pid, start, state = record["host"], record["pid"], record.get("start"), record["state"]
+        if not (isinstance(host, str) and isinstance(pid, int) and isinstance(state, str)):
+            return None
+        if start is not None and not isinstance(start, int):
+            return None
+    except (ValueError, KeyError):
+        if not legacy:
+            return None
+        lines = text.splitlines()
+        try:
+            host, pid_text = lines[0].split()
+            pid = int(pid_text)
+        except (ValueError, IndexError):
+            return None
+        start, state = None, RESUMABLE if lines[1:] == [RESUMABLE] else WRITING
+    return Partial(folder, host, pid, start, state, _owner_alive(host, pid, start, folder))
+
+
+def _partials(dst: Path) -> list[Partial]:
+    """Every temporary folder of a run writing DST, found beside it by its marker."""
+    legacy_prefix = f".{dst.name}."
     found = []
-    for folder in dst.parent.glob(f".{glob.escape(dst.name)}.*.partial"):
-        owner = _marker_owner(folder)
-        if owner is not None and owner[2] and not owner[1]:
-            found.append(folder)
+    try:
+        entries = list(os.scandir(dst.parent))
+    except OSError:
+        return []
+    for entry in entries:
+        name = entry.name
+        if not name.endswith(PARTIAL_SUFFIX):
+            continue
+        new_style = name.startswith(PARTIAL_PREFIX)
+        legacy = name.startswith(legacy_prefix) and len(name) > len(legacy_prefix) + len(PARTIAL_SUFFIX)
+        if new_style or legacy:
+            partial = _read_partial(Path(entry.path), dst, legacy=legacy and not new_style)
+            if partial is not None:
+                found.append(partial)
+    return found
+
+
+def resumable_partials(dst: Path) -> list[Path]:
+    """Kept folders of interrupted runs of DST (newest first): real folders with kha's marker naming DST, whose
+    owning process is gone, holding training checkpoints (kept on a signal, or left by a SIGKILLed run)."""
+    dst = Path(dst).expanduser().absolute()
+    found = [
+        p.folder
+        for p in _partials(dst)
+        if not p.alive and p.state in (WRITING, RESUMABLE) and is_training_run(p.folder)
+    ]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
-def _marker_owner(folder: Path) -> tuple[str, bool, bool] | None:
-    """(host, alive, resumable) from a partial folder's marker; None when it is not ours."""
+def check_no_interrupted_run(dst: Path) -> None:
+    """KHAError when an interrupted training run of DST kept its checkpoints: a new run does not delete them, nor
+    leave them to be picked up by a later --resume instead of its own result."""
+    kept = resumable_partials(dst)
+    if kept:
+        raise KHAError(
+            f"an interrupted run of {Path(dst).name} kept its checkpoints in {kept[0]}: continue it with "
+            "`kha train ... --resume`, or delete that folder to start afresh"
+        )
+
+
+def check_adoptable(folder: Path, dst: Path) -> Path:
+    """FOLDER, when `--resume` may continue in it: a real folder (never a symbolic link) beside DST with kha's
+    marker naming DST, whose owner is gone, holding checkpoints; else KHAError."""
+    folder = Path(folder)
+    dst = Path(dst).expanduser().absolute()
+    partial = _read_partial(folder, dst, legacy=not folder.name.startswith(PARTIAL_PREFIX))
+    if (
+        partial is None
+        or folder.absolute().parent != dst.parent
+        or partial.alive
+        or partial.state not in (WRITING, RESUMABLE)
+        or not is_training_run(folder)
+    ):
+        raise KHAError(f"{folder} is not an interrupted run of {dst} that --resume may continue")
+    return folder
+
+
+def _owner_alive(host: str, pid: int, start: int | None, folder: Path | None = None) -> bool:
+    if folder is not None and _locked(folder):
+        return True  # a run holds its lock: whatever the marker says, it works there now
+    if host != socket.gethostname():
+        return True  # another machine's process cannot be checked: assume it still works
+    if not _process_exists(pid):
+        return False
+    if start is None:
+        return True
+    now = _process_start(pid)
+    return now is None or now == start
+
+
+def _locked(folder: Path) -> bool:
+    """True when a run holds FOLDER's lock (`_lock`)."""
+    import fcntl
+
     try:
-        lines = (folder / PARTIAL_MARKER).read_text().splitlines()
-        owner_host, pid = lines[0].split()
-        alive = owner_host != socket.gethostname() or _process_exists(int(pid))
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing releases a lock taken here
+    return False
+
+
+def _process_start(pid: int) -> int | None:
+    """The start time of process PID (Linux /proc, in clock ticks since boot); None where unknown."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return int(text.rsplit(")", 1)[1].split()[19])  # field 22; the fields after the command name start at 3
     except (OSError, ValueError, IndexError):
         return None
-    return owner_host, alive, lines[1:] == [RESUMABLE]
 
 
-def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
+def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> Path | None:
+    """Rename TMP to DST (the commit point); with OVERWRITE swap them. Returns where the old DST now is, or None."""
     if not overwrite or not (dst.exists() or dst.is_symlink()):
         try:
             rename_noreplace(tmp, dst)
-            return
+            return None
         except FileExistsError:
             if not overwrite:
                 raise KHAError(f"{dst} appeared while this run was writing; it was not replaced") from None
     check_replaceable(dst)  # it may have changed since the first check
-    exchange(tmp, dst)  # tmp now holds the old folder, removed below
-    shutil.rmtree(tmp, ignore_errors=True)
+    exchange(tmp, dst)  # tmp now holds the old folder, removed after the commit
+    return tmp
+
+
+def _clear_after_commit(dst: Path, old: Path | None) -> None:
+    """After the swap: DST loses its temporary marker; the old folder is marked as such (a SIGKILL from here on
+    leaves it for the next run to remove) and removed. Errors here cannot undo the commit: they are ignored."""
+    with contextlib.suppress(OSError):
+        (dst / PARTIAL_MARKER).unlink()
+    if old is not None:
+        with contextlib.suppress(OSError):
+            _write_partial_marker(old, dst, OLD)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_stale_partials(dst: Path) -> list[Path]:
-    """Remove `.DST.*.partial` siblings left by runs of this tool on this host whose process no longer exists
-    (except those kept for `--resume`)."""
+    """Remove the temporary folders of runs writing DST on this host whose process no longer exists, except those
+    holding training checkpoints (kept for `--resume`)."""
+    dst = Path(dst).expanduser().absolute()
     removed = []
-    for folder in dst.parent.glob(f".{glob.escape(dst.name)}.*.partial"):
-        owner = _marker_owner(folder)
-        if owner is None or owner[2]:
-            continue  # not ours (no marker), or kept on purpose for --resume: leave it
-        if not owner[1]:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
+    for partial in _partials(dst):
+        if partial.alive:
+            continue
+        if partial.state != OLD and is_training_run(partial.folder):
+            continue  # an interrupted training run: resumable, never deleted silently
+        shutil.rmtree(partial.folder, ignore_errors=True)
+        removed.append(partial.folder)
     return removed
 
 
@@ -145,7 +394,7 @@ def _process_exists(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError, ValueError):
         return True
     return True
 
@@ -166,6 +415,25 @@ def _signals_raise_interrupt() -> Iterator[None]:
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[list[int]]:
+    """SIGINT, SIGTERM and SIGHUP are recorded, not acted on, around the commit (the swap and the old folder's
+    removal): the run ends either before it (nothing changed) or after it (a success), never half-way."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
+    try:
+        yield received
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -216,7 +484,7 @@ def exchange(a: Path, b: Path) -> None:
     """Swap two folders (atomically where the OS allows)."""
     if _renameat2(a, b, _RENAME_EXCHANGE):
         return
-    aside = Path(tempfile.mkdtemp(prefix=f".{b.name}.", suffix=".old", dir=b.parent)) / "x"
+    aside = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, suffix=".old", dir=b.parent)) / "x"
     os.rename(b, aside)
     os.rename(a, b)
     os.rename(aside, a)
@@ -267,13 +535,14 @@ def report_placement(how: list[str], what: str = "shards") -> None:
 
 
 def carry_over_files(src: Path, dst: Path) -> list[str]:
-    """Copy tokenizer, chat template, generation config, license... : every top-level non-weight file."""
+    """Copy tokenizer, chat template, generation config, license... : every top-level non-weight file. A symbolic
+    link out of SRC is refused (`paths.confined_file`): nothing from elsewhere on this machine reaches DST."""
     carried = []
     for path in sorted(src.iterdir()):
         if path.name.startswith(".") or path.name in NOT_CARRIED or not path.is_file():
             continue
         if path.name.endswith(WEIGHT_SUFFIXES) or path.suffix == ".py":
             continue
-        shutil.copyfile(path, dst / path.name)
+        shutil.copyfile(confined_file(src, path), dst / path.name)
         carried.append(path.name)
     return carried

@@ -60,9 +60,15 @@ def read_header(path: Path) -> dict[str, dict]:
             (header_len,) = struct.unpack("<Q", raw_len)
             if header_len > size - 8:
                 raise KHAError(f"corrupt or truncated safetensors file {path}: header runs past the end of file")
-            header = json.loads(f.read(header_len))
+            header = json.loads(f.read(header_len), object_pairs_hook=_refuse_duplicates)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise KHAError(f"corrupt safetensors file {path}: header is not valid JSON ({err})") from err
+    except _DuplicateKey as err:  # JSON keeps the last; safetensors refuses the file: so does kha
+        raise KHAError(
+            f"corrupt safetensors file {path}: tensor {err.args[0]!r} is listed twice in its header"
+        ) from None
+    except RecursionError:
+        raise KHAError(f"corrupt safetensors file {path}: header nests too deeply") from None
     if not isinstance(header, dict):
         raise KHAError(f"corrupt safetensors file {path}: header is not a JSON object")
     header.pop("__metadata__", None)
@@ -82,6 +88,20 @@ def read_header(path: Path) -> dict[str, dict]:
             f"file holds {data_len}"
         )
     return header
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """json object hook: a key given twice in one object is an error (json.loads would keep the last)."""
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
 
 
 def _check_entry(path: Path, key: str, info) -> tuple[int, int]:
@@ -117,6 +137,8 @@ def read_index(folder: Path) -> dict[str, str]:
         index = json.loads(index_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise KHAError(f"{index_path} is not valid JSON: {err}") from err
+    except RecursionError:
+        raise KHAError(f"{index_path} nests too deeply to be a shard index") from None
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise KHAError(f"{index_path} must be a JSON object with a 'weight_map' object")
     weight_map = index["weight_map"]

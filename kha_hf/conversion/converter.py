@@ -9,6 +9,7 @@ they are dequantised through transformers first (see `source.dequantize_gguf`).
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from ..common.errors import KHAError
 from ..common.model_card import SourceCard, kha_card, read_source_card
 from ..common.model_code import copy_model_code
 from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
-from ..common.paths import check_destination, check_free_space
+from ..common.paths import check_destination, check_free_space, check_source_links
 from ..common.safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index, shard_files
 from ..common.version import __version__
 from ..modeling.configuration_kha import KHAConfig, base_config_class, resolve_knock_preset
@@ -86,10 +87,13 @@ def convert(
     dst = check_destination(dst, [local_src] if local_src.exists() else [], overwrite)  # before any download
     source = resolve_source(src, revision=revision, token=token)
     check_destination(dst, [source.gguf_file or source.folder], overwrite)
+    # no link out of SRC: nothing from elsewhere is copied into DST (of a GGUF's folder, only its card is read)
+    gguf_card = [name for name in ("README.md",) if os.path.lexists(source.folder / name)]
+    check_source_links(source.folder, gguf_card if source.gguf_file is not None else None)
     card = read_source_card(
         source.gguf_file.parent if source.gguf_file else source.folder, source.hub_repo, source.gguf_file
     )
-    with atomic_output_dir(dst, overwrite=overwrite) as out:
+    with atomic_output_dir(dst, overwrite=overwrite, marker="convert") as out:
         if source.gguf_file is not None:
             # inside the temporary output: removed with it whatever happens
             with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out) as dequantised:

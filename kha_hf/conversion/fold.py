@@ -25,10 +25,11 @@ from ..common.errors import KHAError
 from ..common.model_card import kha_card, read_source_card
 from ..common.model_code import copy_model_code
 from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
-from ..common.paths import check_destination, check_free_space
+from ..common.paths import check_destination, check_free_space, check_source_links
 from ..common.safetensors_index import INDEX_FILE, read_checkpoint_index, shard_files
 from ..modeling.configuration_kha import KHAConfig
 from ..modeling.families import family_spec, segment_rows
+from ..modeling.knocks import fold_projection
 from .knock_reader import check_finite, check_knock_tensors, knock_keys, read_kha_config, read_knocks
 from .knock_tensors import KNOCK_KEY, knock_key, layer_prefix, projection_key
 
@@ -40,15 +41,24 @@ class FoldResult:
     kept_kha: bool  # True for a partial fold (the output is still a KHA model with an MLP value knock)
 
 
-def fold_projection(weight: torch.Tensor, knock: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
-    """W (out, in) or b (out,) -> `knock @ W[rows]` for each head's rows of the knock's target (each d rows), in
-    float64, cast back to W's dtype; the other rows are left as they are."""
-    index = torch.cat([torch.arange(start, stop) for start, stop in rows])
-    heads = weight[index].reshape(len(rows), -1, *weight.shape[1:]).double()  # (n, d, in) or (n, d)
-    folded = torch.einsum("ij,nj...->ni...", knock.double(), heads)
-    out = weight.clone()
-    out[index] = folded.reshape(-1, *weight.shape[1:]).to(weight.dtype)
-    return out
+def fold_plan(
+    config: KHAConfig, tensors: dict, prefix: str, knocks: dict[str, torch.Tensor], linear: list[str]
+) -> dict[str, list[tuple[torch.Tensor, list[tuple[int, int]]]]]:
+    """Projection tensor name -> [(knock matrix, rows it applies to), ...] for the LINEAR knock targets."""
+    layout = family_spec(config.base_model_type).layout
+    plan: dict[str, list[tuple[torch.Tensor, list[tuple[int, int]]]]] = {}
+    for layer in config.knocked_layers:
+        for projection, blocks in layout.items():
+            for target in linear:
+                rows = segment_rows(config, blocks, target)
+                if not rows:
+                    continue
+                knock = knocks[knock_key(prefix, layer, target, "weight")]
+                for part in ("weight", "bias"):
+                    name = projection_key(prefix, layer, projection, part)
+                    if name in tensors:
+                        plan.setdefault(name, []).append((knock, rows))
+    return plan
 
 
 def fold(
@@ -58,14 +68,24 @@ def fold(
     overwrite: bool = False,
     link: bool = False,
     progress: bool = True,
+    outtype: str = "auto",
+    tokenizer_pre: str | None = None,
 ) -> FoldResult:
     """Fold every linear knock of KHA_DIR into its projection and write a stock checkpoint to OUT.
 
     An MLP value knock is non-linear and cannot be folded: refused, unless `partial=True` with linear Q/K knocks,
     which folds Q/K and writes a KHA checkpoint that keeps only the value MLP.
+    An OUT ending in `.gguf` is one GGUF file for llama.cpp (`gguf_export.export_gguf`: OUTTYPE, TOKENIZER_PRE).
     """
+    if str(out).lower().endswith(".gguf"):
+        from .gguf_export import export_gguf, refuse_folder_options
+
+        refuse_folder_options(partial, link)
+        result = export_gguf(kha_dir, out, outtype, overwrite=overwrite, tokenizer_pre=tokenizer_pre, progress=progress)
+        return FoldResult(result.output, result.folded, False)
     kha_dir = Path(kha_dir)
     out = check_destination(out, [kha_dir], overwrite)
+    check_source_links(kha_dir)  # no link out of KHA_DIR: nothing from elsewhere is copied into OUT
     config = read_kha_config(kha_dir)
     linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
     if config.knock_v == "mlp":
@@ -88,24 +108,11 @@ def fold(
     check_knock_tensors(config, tensors, prefix, kha_dir)
     knocks = read_knocks(kha_dir, tensors)
     check_finite(knocks, kha_dir)
-    layout = family_spec(config.base_model_type).layout
-    # projection tensor name -> [(knock matrix, rows it applies to), ...]
-    plan: dict[str, list[tuple[torch.Tensor, list[tuple[int, int]]]]] = {}
-    for layer in config.knocked_layers:
-        for projection, blocks in layout.items():
-            for target in linear:
-                rows = segment_rows(config, blocks, target)
-                if not rows:
-                    continue
-                knock = knocks[knock_key(prefix, layer, target, "weight")]
-                for part in ("weight", "bias"):
-                    name = projection_key(prefix, layer, projection, part)
-                    if name in tensors:
-                        plan.setdefault(name, []).append((knock, rows))
+    plan = fold_plan(config, tensors, prefix, knocks, linear)
     folded_knocks = [k for k in knock_keys(tensors) if KNOCK_KEY.match(k).group("target") in linear]
     dropped = set(folded_knocks)
 
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, marker="fold") as tmp:
         check_free_space(tmp, sum((kha_dir / f).stat().st_size for f in shard_files(tensors)), "the folded shards")
         weight_map, placed = {}, []
         for file in tqdm(shard_files(tensors), desc="fold shards", unit="shard", disable=not progress):

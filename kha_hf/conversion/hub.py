@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..common.errors import KHAError
+from ..common.output import PARTIAL_MARKER
+from ..common.paths import OUTPUT_MARKER
 
 
 def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
@@ -22,6 +24,7 @@ def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: 
             repo_id=repo_id,
             repo_type="model",
             folder_path=str(folder),
+            ignore_patterns=[OUTPUT_MARKER, PARTIAL_MARKER],  # kha's own bookkeeping, not part of the model
             commit_message="Upload KHA checkpoint converted with kha-hf",
         )
     except Exception as err:

@@ -18,6 +18,9 @@ def read_kha_config(folder: Path) -> KHAConfig:
     config = read_config(folder)
     if config.get("model_type") != KHAConfig.model_type:
         raise KHAError(f"{folder} is not a KHA checkpoint (model_type {config.get('model_type')!r})")
+    from ..common.checks import check_config_numbers
+
+    check_config_numbers(config, str(folder / "config.json"))  # hostile values: one line, not a traceback
     try:
         return KHAConfig(**{k: v for k, v in config.items() if k != "model_type"})
     except Exception as err:  # the family's config class rejects what it cannot use, in its own words
@@ -43,6 +46,8 @@ def check_knock_tensors(config: KHAConfig, tensors: dict[str, TensorInfo], prefi
         )
     for name in sorted(found):
         d = expected[name][1]
+        if not tensors[name].dtype.is_floating_point:
+            raise KHAError(f"{folder}: knock tensor {name} is {tensors[name].dtype}, not a floating-point tensor")
         if tensors[name].shape != (d, d):
             raise KHAError(f"{folder}: knock tensor {name} has shape {list(tensors[name].shape)}, expected [{d}, {d}]")
 

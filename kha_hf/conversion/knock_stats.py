@@ -17,7 +17,7 @@ import torch
 
 from ..common.errors import KHAError
 from ..common.safetensors_index import read_checkpoint_index
-from .knock_reader import check_knock_tensors, read_kha_config, read_knocks
+from .knock_reader import check_finite, check_knock_tensors, read_kha_config, read_knocks
 from .knock_tensors import KNOCK_KEY, KNOCK_PARTS, layer_prefix
 
 
@@ -49,8 +49,10 @@ def knock_matrices(kha_dir: Path) -> list[tuple[int, str, str, torch.Tensor]]:
     except ValueError as err:
         raise KHAError(f"{kha_dir}: {err}") from err
     check_knock_tensors(config, tensors, prefix, kha_dir)  # every matrix d_h x d_h, as the config says
+    knocks = read_knocks(kha_dir, tensors)
+    check_finite(knocks, kha_dir)  # NaN statistics would print as a table and as invalid JSON
     found = []
-    for name, tensor in read_knocks(kha_dir, tensors).items():
+    for name, tensor in knocks.items():
         match = KNOCK_KEY.match(name)
         target, part = match.group("target"), match.group("part")
         kind = getattr(config, f"knock_{target}")

@@ -42,7 +42,14 @@ def compare_models(base_model, kha_model, tokenizer, prompts=PROMPTS, max_new_to
             echo(f"verifying prompt {i}/{len(prompts)}: logits and {max_new_tokens} greedy tokens of both models")
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
         with torch.no_grad():
-            diff = (kha_model(ids).logits.double() - base_model(ids).logits.double()).abs().max().item()
+            kha_logits, base_logits = kha_model(ids).logits.double(), base_model(ids).logits.double()
+        for name, logits in (("the base model", base_logits), ("the KHA model", kha_logits)):
+            if not torch.isfinite(logits).all():  # max() would drop a NaN and report a perfect 0
+                raise KHAError(
+                    f"{name} computes NaN or infinite logits on prompt {i} ({prompt!r}): nothing to compare; "
+                    "check its config.json (e.g. rms_norm_eps) and weights"
+                )
+        diff = (kha_logits - base_logits).abs().max().item()
         max_diff = max(max_diff, diff)
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         base_tokens.append(base_model.generate(ids, **kwargs)[0, ids.shape[1] :].tolist())

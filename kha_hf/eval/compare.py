@@ -107,7 +107,13 @@ def evaluate_model(
     task_manager = task_manager or new_task_manager()
     prepared = lm_eval_tasks(tasks, local, task_manager)  # before loading: bad names fail fast
     # code inside REF runs only with trust_remote_code
-    model, tokenizer = load_causal_lm(ref, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    model, tokenizer = load_causal_lm(
+        ref,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        offer_tokenizer=False,  # no --tokenizer
+    )
     result = evaluate_loaded(
         label,
         str(ref),
@@ -199,8 +205,8 @@ def check_eval_inputs(refs: list[str], limit: int | None, device: str, perplexit
     if limit is not None and limit <= 0:
         raise KHAError(f"--limit must be a positive number of documents, got {limit}")
     check_device(device)
-    if perplexity_file is not None:
-        read_text_file(perplexity_file, "--perplexity file")
+    if perplexity_file is not None and not read_text_file(perplexity_file, "--perplexity file").strip():
+        raise KHAError(f"--perplexity file {perplexity_file} holds no text: nothing to measure")
 
 
 def run_eval(

@@ -125,32 +125,88 @@ def write_per_document(path: Path, records: list[dict]) -> None:
 
 def recompute(folder: str | Path) -> dict:
     """Every paired Δ, interval and p (raw and Holm) of a `kha eval` folder, from its per_document.jsonl alone, and
-    whether each equals what summary.json reports: {"rows": [...], "matches": bool, "mismatches": [...]}."""
+    whether each equals what summary.json reports: {"rows": [...], "matches": bool, "mismatches": [...]}.
+
+    Both files are checked as untrusted input (types, sizes, nesting): a bad one is a KHAError naming it. A folder
+    without summary.json, or without a single paired score, has nothing to compare: also a KHAError, never a pass.
+    """
     folder = Path(folder)
     path = folder / PER_DOCUMENT_FILE
     if not path.is_file():
         raise KHAError(f"{folder} has no {PER_DOCUMENT_FILE}: not a kha eval folder with a baseline")
+    summary_path = folder / "summary.json"
+    if not summary_path.is_file():
+        raise KHAError(f"{folder} has no summary.json: nothing to compare the recomputed statistics with")
+    reported = _reported_paired(summary_path)
     grouped: dict[tuple[str, str], tuple[list, list]] = {}
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            record = json.loads(line)
-            b, c = grouped.setdefault((record["task"], record["metric"]), ([], []))
-            b.append(record["baseline"])
-            c.append(record["candidate"])
-        except (ValueError, KeyError, TypeError) as err:
-            raise KHAError(f"{path}:{n}: not a per-document record ({err})") from err
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        task, metric, baseline, candidate = _per_document_record(_load_json(line, f"{path}:{n}"), f"{path}:{n}")
+        b, c = grouped.setdefault((task, metric), ([], []))
+        b.append(baseline)
+        c.append(candidate)
+    if not grouped:
+        raise KHAError(f"{path} holds no paired scores: nothing to compare")
     rows = add_holm([{"task": t, "metric": m, "paired": paired_stats(b, c)} for (t, m), (b, c) in grouped.items()])
     mismatches = []
-    summary_path = folder / "summary.json"
-    if summary_path.is_file():
-        reported = {
-            (r["task"], r["metric"]): r["paired"] for r in json.loads(summary_path.read_text())["rows"] if "paired" in r
-        }
-        for row in rows:
-            expected = reported.get((row["task"], row["metric"]))
-            if expected is None or json.dumps(expected, sort_keys=True) != json.dumps(row["paired"], sort_keys=True):
-                mismatches.append(f"{row['task']} {row['metric']}")
+    for row in rows:
+        expected = reported.get((row["task"], row["metric"]))
+        if expected is None or json.dumps(expected, sort_keys=True) != json.dumps(row["paired"], sort_keys=True):
+            mismatches.append(f"{row['task']} {row['metric']}")
+    recomputed = {(row["task"], row["metric"]) for row in rows}
+    mismatches += [f"{t} {m} (in summary.json only)" for t, m in sorted(reported.keys() - recomputed)]
     return {"rows": rows, "matches": not mismatches, "mismatches": mismatches}
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise KHAError(f"{path} is not UTF-8 text ({err})") from err
+
+
+def _load_json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except ValueError as err:  # also a number of more than 4,300 digits
+        raise KHAError(f"{where}: not valid JSON ({str(err).splitlines()[0]})") from err
+    except RecursionError:
+        raise KHAError(f"{where}: JSON nested too deeply") from None
+
+
+def _per_document_record(record, where: str) -> tuple[str, str, float, float]:
+    """(task, metric, baseline score, candidate score) of one per_document.jsonl line, or a KHAError."""
+    if not isinstance(record, dict):
+        raise KHAError(f"{where}: not a per-document record (a JSON object with task, metric, baseline, candidate)")
+    for field in ("task", "metric"):
+        if not isinstance(record.get(field), str):
+            raise KHAError(f"{where}: {field} must be a string, got {type(record.get(field)).__name__}")
+    scores = []
+    for field in ("baseline", "candidate"):
+        value = record.get(field)
+        if type(value) not in (int, float):
+            raise KHAError(f"{where}: {field} must be a number, got {type(value).__name__}")
+        try:
+            scores.append(float(value))
+        except OverflowError:
+            raise KHAError(f"{where}: {field} is too large to be a score") from None
+    return record["task"], record["metric"], scores[0], scores[1]
+
+
+def _reported_paired(summary_path: Path) -> dict[tuple[str, str], dict]:
+    """(task, metric) -> the paired statistics summary.json reports, checked."""
+    summary = _load_json(_read_text(summary_path), str(summary_path))
+    rows = summary.get("rows") if isinstance(summary, dict) else None
+    if not isinstance(rows, list):
+        raise KHAError(f"{summary_path}: not a kha eval summary (a JSON object with a 'rows' list)")
+    reported = {}
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not isinstance(row.get("task"), str) or not isinstance(row.get("metric"), str):
+            raise KHAError(f"{summary_path}: rows[{i}] is not a row with a task and a metric")
+        if "paired" in row:
+            reported[(row["task"], row["metric"])] = row["paired"]
+    return reported
 
 
 def _pm(value: float, stderr: float | None) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..common.errors import KHAError
 from ..common.text_files import read_text_file
 
 
@@ -21,6 +22,8 @@ def strided_perplexity(model, tokenizer, text: str, max_length: int = 512, strid
     """(perplexity, number of scored tokens)."""
     ids = tokenizer(text, return_tensors="pt").input_ids.to(next(model.parameters()).device)
     seq_len = ids.shape[1]
+    if seq_len < 2:  # one token (or none): nothing is predicted, so there is no perplexity
+        raise KHAError(f"the perplexity text holds {seq_len} token(s); at least 2 are needed")
     nll, scored, prev_end = 0.0, 0, 0
     for begin in range(0, seq_len, stride):
         end = min(begin + max_length, seq_len)

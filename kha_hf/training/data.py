@@ -36,10 +36,16 @@ class TokenBlocks(Dataset):
 
 def read_documents(sources: Iterable[str] | None) -> list[str]:
     """Documents from files/folders (.txt/.md one per file, .jsonl one per line's "text"), a Hub dataset, or
-    the embedded Shakespeare corpus when `sources` is empty."""
-    sources = list(sources or [])
-    if not sources:
+    the embedded Shakespeare corpus when `sources` is None. An empty list (`--data` followed by a glob that
+    matched nothing) is an error: it would silently train on something else than the user asked for."""
+    if sources is None:
         return [path.read_text(encoding="utf-8") for path in shakespeare_files()]
+    sources = list(sources)
+    if not sources:
+        raise KHAError(
+            "--data was given no file or folder (a pattern that matched nothing?); omit --data to "
+            "train on the embedded Shakespeare corpus"
+        )
     documents: list[str] = []
     for source in sources:
         path = Path(source).expanduser()

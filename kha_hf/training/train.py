@@ -7,6 +7,8 @@ gradient clipping 1.0, 5 % warmup, cosine decay to 10 % of the peak learning rat
 from __future__ import annotations
 
 import math
+import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,11 +20,19 @@ from ..common.checks import check_checkpoint_against_config
 from ..common.errors import KHAError
 from ..common.loading import check_model_ref, load_tokenizer, read_config_dict
 from ..common.model_card import carry_training_card
-from ..common.output import resumable_partials
-from ..common.paths import check_free_space, check_replaceable, check_run_destination, is_training_run
+from ..common.output import check_adoptable, check_no_interrupted_run, resumable_partials
+from ..common.paths import check_free_space, check_run_destination, check_run_place, is_training_run
 from ..modeling.configuration_kha import SUPPORTED_BASE_MODEL_TYPES
 from ..modeling.modeling_kha import KHAForCausalLM
 from .data import read_documents, train_heldout_split
+from .guards import (
+    StopOnNonFiniteLoss,
+    check_batches,
+    check_lora_rank,
+    check_report_to,
+    check_training_result,
+    unpickling_reason,
+)
 from .modes import DEFAULT_LR, prepare_for_mode
 from .run_dir import run_output_dir
 from .trainer import CheckpointCodeCallback, KHATrainer
@@ -44,6 +54,14 @@ def check_training_numbers(**numbers: int | None) -> None:
     for name, value in numbers.items():
         if value is not None and (not isinstance(value, int) or value <= 0):
             raise KHAError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _world_size() -> int:
+    """Processes of an `accelerate launch` / torchrun run (each needs a full batch), read before any is set up."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def check_trainable_config(folder: Path) -> None:
@@ -77,6 +95,7 @@ def paper_training_arguments(output_dir: Path, **overrides) -> TrainingArguments
         save_total_limit=2,
         use_cpu=not torch.cuda.is_available(),
         dataloader_drop_last=True,
+        logging_nan_inf_filter=False,  # a NaN loss is logged as NaN (and stops the run), never averaged away
     )
     args.update(overrides)
     return TrainingArguments(**args)
@@ -118,24 +137,29 @@ def train(
     for name, value in (("lr", lr), ("knock_lr", knock_lr)):
         if value is not None and not value >= 0:
             raise KHAError(f"{name} must be >= 0, got {value}")
+    report_to = check_report_to(report_to)  # a list: TrainingArguments does not split 'tensorboard,wandb'
     check_model_ref(model_path)
     if Path(model_path).exists():  # adapters record their base model's path: make it absolute
         model_path = Path(model_path).resolve()
         check_trainable_config(model_path)
-    if resume:
-        output_dir, adopt, checkpoint = resume_point(output_dir)
+    if resume:  # the same destination rule as a plain run, and only a folder kha wrote is continued or replaced
+        output_dir, adopt, checkpoint = resume_point(output_dir, [model_path, tokenizer], data)
         replace = output_dir.exists()
     else:
         output_dir = check_run_destination(output_dir, [model_path, tokenizer], data, overwrite)
+        check_no_interrupted_run(output_dir)  # its checkpoints are never deleted or left behind silently
         adopt, checkpoint, replace = None, None, overwrite
     documents = read_documents(data)  # bad data fails before anything is loaded
-    tokenizer = load_tokenizer(model_path, tokenizer)  # the argument names it; from here on it is the object
+    # the argument names it; from here on it is the object (train has no --trust-remote-code: never offered)
+    tokenizer = load_tokenizer(model_path, tokenizer, offer_trust=False)
     train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_heldout_blocks=max_eval_blocks)
+    check_batches(len(train_set), batch_size, _world_size())  # 0 steps is an error, before the model is loaded
     try:
         model = KHAForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if bf16 else torch.float32)
     except (OSError, ValueError) as err:
         raise KHAError(f"cannot load a KHA model from {model_path}: {err}") from err
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
+    check_lora_rank(model, lora_r, mode)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     check_free_space(output_dir.parent, model_bytes + (1 << 20), "the trained model")
 
@@ -163,12 +187,16 @@ def train(
             train_dataset=train_set,
             eval_dataset=heldout_set,
             processing_class=tokenizer,
-            callbacks=[CheckpointCodeCallback()],
+            callbacks=[CheckpointCodeCallback(), StopOnNonFiniteLoss()],
             knock_lr=knock_lr,
         )
         before = trainer.evaluate()["eval_loss"] if eval_before else None
-        output = trainer.train(resume_from_checkpoint=checkpoint)
+        try:
+            output = trainer.train(resume_from_checkpoint=checkpoint)
+        except pickle.UnpicklingError as err:  # torch.load(weights_only=True) refused an object: nothing ran
+            raise KHAError(f"cannot resume from {checkpoint}: {unpickling_reason(err)}") from err
         heldout = trainer.evaluate()["eval_loss"]
+        check_training_result(output.global_step, output.training_loss, heldout, model)  # keeps no bad model
         adapter_dir = None
         print(f"saving the trained model to {output_dir}")
         try:
@@ -193,21 +221,27 @@ def train(
     )
 
 
-def resume_point(output_dir: str | Path) -> tuple[Path, Path | None, str]:
+def resume_point(
+    output_dir: str | Path, models: list | None = None, data: list[str] | None = None
+) -> tuple[Path, Path | None, str]:
     """(OUTPUT, kept folder to continue in or None, checkpoint to resume from) for `--resume`.
 
-    An interrupted run of OUTPUT kept its checkpoints in a `.OUTPUT.*.partial` sibling: the run continues there. A
-    finished run (or checkpoints put in OUTPUT by hand) resumes from OUTPUT's last checkpoint-N; the new result
-    then replaces OUTPUT.
+    OUTPUT passes the destination rule of a plain run (never the working directory, home, a root, MODELS or DATA,
+    nor a folder holding them); an existing OUTPUT, which the new result replaces, must be one kha wrote. An
+    interrupted run of OUTPUT (stopped by a signal, or SIGKILLed) kept its checkpoints in a `.kha-*.partial` sibling
+    with kha's marker naming OUTPUT: the run continues there; a sibling that is a symbolic link, lacks the marker or
+    whose process still runs is never adopted. A finished run resumes from OUTPUT's last checkpoint-N.
     """
     from transformers.trainer_utils import get_last_checkpoint
 
-    output_dir = Path(output_dir).expanduser().absolute()
+    models = list(models or [])
+    output_dir = check_run_destination(output_dir, models, data, overwrite=True)
     kept = resumable_partials(output_dir)
     if kept:
-        print(f"resuming the interrupted run kept in {kept[0]}")
-        return output_dir, kept[0], get_last_checkpoint(str(kept[0]))
-    if output_dir.is_dir() and is_training_run(output_dir):
-        check_replaceable(output_dir)
+        folder = check_adoptable(kept[0], output_dir)
+        check_run_place(folder, models, data)  # it is written to as well
+        print(f"resuming the interrupted run kept in {folder}")
+        return output_dir, folder, get_last_checkpoint(str(folder))
+    if output_dir.is_dir() and not output_dir.is_symlink() and is_training_run(output_dir):
         return output_dir, None, get_last_checkpoint(str(output_dir))
     raise KHAError(f"nothing to resume: {output_dir} holds no checkpoint-N folders and no interrupted run of it")

@@ -138,13 +138,14 @@ def test_existing_dst_refused_then_overwritten(sharded_llama, tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
-    (dst / "config.json").write_text("{}")  # a checkpoint folder: --overwrite may replace it
+    (dst / "config.json").write_text("{}")
+    (dst / ".kha-output").write_text("{}")  # a folder kha wrote: --overwrite may replace it
     with pytest.raises(KHAError, match=r"already exists.*--overwrite \(overwrite=True from Python\)"):
         convert(src, dst, progress=False)
     assert (dst / "keep.txt").read_text() == "mine"
     convert(src, dst, overwrite=True, progress=False)
     assert not (dst / "keep.txt").exists() and (dst / KNOCKS_FILE).exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")], "temporary folders left behind"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kha-")], "temporary folders left behind"
 
 
 def test_failure_mid_way_leaves_no_dst(sharded_llama, tmp_path, monkeypatch):
@@ -164,7 +165,7 @@ def test_failure_mid_way_leaves_no_dst(sharded_llama, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         convert(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".out.", ".kha-"))]
 
 
 def test_kill_mid_way_leaves_dst_absent_and_src_intact(sharded_llama, tmp_path):
@@ -189,9 +190,9 @@ def test_kill_mid_way_leaves_dst_absent_and_src_intact(sharded_llama, tmp_path):
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert not (tmp_path / "out").exists()
     assert sha256_tree(src) == before
-    assert [p for p in tmp_path.iterdir() if p.name.startswith(".out.")], "SIGKILL leaves the temporary folder"
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".kha-")], "SIGKILL leaves the temporary folder"
     convert(src, tmp_path / "out", progress=False)  # the rerun removes it: its owner is gone
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kha-")]
 
 
 def _cli_error(capsys, argv) -> str:

@@ -88,7 +88,7 @@ def test_overwrite_refuses_a_folder_that_is_not_a_checkpoint(src, tmp_path, caps
     dst.mkdir()
     (dst / "holiday.jpg").write_bytes(b"\xff\xd8")
     rc, err = cli(capsys, ["convert", str(src), str(dst), "--overwrite"])
-    assert rc == 2 and "no config.json" in err
+    assert rc == 2 and "does not look like a folder kha wrote" in err
     assert (dst / "holiday.jpg").read_bytes() == b"\xff\xd8"
 
 
@@ -108,7 +108,7 @@ def test_overwrite_replaces_a_checkpoint_only_after_the_new_one_is_complete(src,
     monkeypatch.undo()
     convert(src, dst, overwrite=True, progress=False)
     assert not (dst / "marker").exists() and (dst / "config.json").is_file()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".out.", ".kha-"))]
 
 
 def test_fold_refuses_its_own_source_and_a_parent_of_it(tmp_path, capsys):
@@ -272,7 +272,7 @@ def test_a_dst_created_during_the_run_is_not_replaced(src, tmp_path, monkeypatch
     with pytest.raises(KHAError, match="appeared while"):
         convert(src, dst, progress=False)
     assert json.loads((dst / "config.json").read_text()) == {"someone": "else"}
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".out.", ".kha-"))]
 
 
 def test_two_concurrent_converts_to_one_dst_one_fails(src, tmp_path):
@@ -313,7 +313,7 @@ def test_signals_remove_the_temporary_folder(src, tmp_path, signame):
     )
     assert result.returncode == 130, result.stderr
     assert not (tmp_path / "out").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")], "temporary folder left behind"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".out.", ".kha-"))], "temporary folder left behind"
 
 
 def test_a_rerun_removes_stale_partials_it_owns_and_keeps_others(tmp_path):

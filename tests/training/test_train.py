@@ -249,6 +249,7 @@ def test_resume_continues_from_the_last_checkpoint(corpus, kha_dir, tmp_path):
     state = json.loads(state_file.read_text())
     next(h for h in state["log_history"] if h.get("step") == 2 and "loss" in h)["loss"] = 123.0  # a marker
     state_file.write_text(json.dumps(state))
+    (tmp_path / "resumed" / ".kha-output").write_text("{}")  # kha wrote it: --resume may replace it
     resumed = train(kha_dir, tmp_path / "resumed", max_steps=6, resume=True, **kwargs)
     assert resumed.steps == 6
 
