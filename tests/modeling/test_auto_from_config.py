@@ -143,3 +143,48 @@ def test_from_scratch_training_through_the_auto_classes_saves_and_reloads_exactl
     assert type(reloaded) is type(model)
     with torch.no_grad():
         assert_close(reloaded(IDS).logits, model(IDS).logits, what="reloaded vs trained")
+
+
+def test_from_scratch_sft_with_trl_through_the_auto_classes(tmp_path):
+    """TRL's SFTTrainer, as pretraining recipes use it, on a model built by `from_config`: every weight trains
+    (knocks included), the run saves with trainer.save_model and reloads exactly through the Auto class."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tests.helpers import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path / "base", "llama")  # only its tokenizer is used
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    config = KHAConfig.from_base(AutoConfig.from_pretrained(tmp_path / "base"), knock="mlp_v")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    assert type(model) is family_classes("llama")[2]
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+        bf16=False,  # TRL's CPU bf16 default would wrap the forward in autocast beyond training
+        max_length=32,
+    )
+    data = datasets.Dataset.from_dict({"text": ["the quick brown fox jumps over the lazy dog"] * 8})
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses and all(torch.isfinite(torch.tensor(loss)) for loss in losses), losses
+    moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert any("v_knock" in name for name in moved) and any("q_proj" in name for name in moved), sorted(moved)
+    trainer.save_model(str(tmp_path / "trained"))
+    model.eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "trained").eval()
+    assert type(reloaded) is type(model)
+    with torch.no_grad():
+        assert_close(reloaded(IDS).logits, model(IDS).logits, what="reloaded vs SFT-trained")
