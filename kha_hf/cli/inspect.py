@@ -32,12 +32,15 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from pathlib import Path
+
     from ..common.output import atomic_output_file
-    from ..common.paths import check_file_destination
+    from ..common.paths import check_file_destination, check_place
     from ..conversion.knock_stats import check_plot_path, format_table, knock_statistics, plot_knocks, to_json
 
     if args.plot:
         check_plot_path(args.plot)  # before any work: a bad name is a one-line error
+        check_place(args.plot, [Path(args.kha_dir)])  # KHA_DIR is read-only: no plot inside it
         check_file_destination(args.plot, args.overwrite)  # no link written through, no file replaced unasked
     rows = knock_statistics(args.kha_dir)
     print(to_json(rows) if args.json else format_table(rows))

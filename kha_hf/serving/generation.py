@@ -8,9 +8,10 @@ add, per request:
 
 - the prompt must fit the model's context (`max_position_embeddings`), else 400; `max_new_tokens` is cut to the
   server's limit and to what the context leaves (the reply's finish_reason says "length");
-- a time limit: the request's budget (`--request-timeout` less the time its prompt took to render), a stopping
-  criterion on the sequential path, a timer that cancels the request under continuous batching; a generation cut
-  by it ends with finish_reason "length" and the tokens made so far;
+- a time limit: the request's budget (`--request-timeout` less the time its prompt took to render), counted from
+  its submission (time queued behind other requests included; a request whose time ran out before it reached the
+  model answers 503), a stopping criterion on the sequential path, a timer that cancels the request under
+  continuous batching; a generation cut by it ends with finish_reason "length" and the tokens made so far;
 - cancellation when the client disconnects (`RequestRegistry.cancel`, called by the guard middleware);
 - each generation is tracked while it runs, so `/health` can tell a stuck server (continuous batching included);
 - continuous batching samples with the server's settings (the model's generation config), never with a request's:
@@ -100,10 +101,20 @@ def time_limit_criterion(seconds: float, prompt_len: int, gen_config):
     return TimeLimit()
 
 
-def timed_generate(model, kwargs: dict, gen_config, budget: float):
-    """model.generate(**KWARGS) stopped after BUDGET seconds (counted from here, on the inference thread)."""
+class WaitedTooLong(Exception):
+    """A request's time limit ran out while it waited for the inference thread (other requests ran first)."""
+
+    MESSAGE = "the server was busy for this request's whole --request-timeout; retry later"
+
+
+def timed_generate(model, kwargs: dict, gen_config, deadline: float):
+    """model.generate(**KWARGS) stopped at DEADLINE (time.monotonic(), set when the request was submitted, so
+    the time it waited behind other requests counts); WaitedTooLong if it has passed before generation starts."""
     from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+    budget = deadline - time.monotonic()
+    if budget <= 0:
+        raise WaitedTooLong(WaitedTooLong.MESSAGE)
     prompt_len = int(kwargs["input_ids"].shape[-1])
     limit = time_limit_criterion(budget, prompt_len, gen_config)
     try:
@@ -152,7 +163,7 @@ def kha_generation_state_class(limits: ServeLimits, registry: RequestRegistry):
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
             # As transformers 5.24's GenerateManager.generate_streaming, plus the limits and cancellation.
             fit_request(model, inputs, gen_config, limits)
-            budget = take_budget(gen_config, limits)
+            deadline = time.monotonic() + take_budget(gen_config, limits)  # queued time counts
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
             rust_tokenizer = getattr(processor, "tokenizer", processor)._tokenizer
@@ -163,7 +174,7 @@ def kha_generation_state_class(limits: ServeLimits, registry: RequestRegistry):
 
             def run() -> None:
                 try:
-                    timed_generate(model, kwargs, gen_config, budget)
+                    timed_generate(model, kwargs, gen_config, deadline)
                 except _GenerationCancelled:
                     loop.call_soon_threadsafe(queue.put_nowait, None)
                 except Exception as err:
@@ -179,16 +190,18 @@ def kha_generation_state_class(limits: ServeLimits, registry: RequestRegistry):
             from fastapi import HTTPException
 
             fit_request(model, inputs, gen_config, limits)
-            budget = take_budget(gen_config, limits)
+            deadline = time.monotonic() + take_budget(gen_config, limits)  # queued time counts
             stopper = CancellableStreamer()
             registry.on_cancel(request_id, stopper.cancel)
             kwargs = {**inputs, "generation_config": gen_config, "tokenizer": processor, "streamer": stopper}
             if hasattr(model, "has_talker"):
                 kwargs["generation_mode"] = "text"
             try:
-                sequences = await self.async_submit(timed_generate, model, kwargs, gen_config, budget)
+                sequences = await self.async_submit(timed_generate, model, kwargs, gen_config, deadline)
             except _GenerationCancelled:
                 raise HTTPException(status_code=499, detail="the client disconnected") from None
+            except WaitedTooLong as err:
+                raise RequestError(503, str(err)) from None
             input_len = inputs["input_ids"].shape[-1]
             generated_ids = sequences[0, input_len:]
             return processor.decode(generated_ids, skip_special_tokens=True), input_len, generated_ids

@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .connections import MAX_HEADER_BYTES
 from .errors import RequestError
 from .fields import checked_fields
 
@@ -151,6 +152,9 @@ class ServeGuard:
             return
         path, method = scope["path"].rstrip("/") or "/", scope["method"]
         try:
+            header_bytes = sum(len(name) + len(value) for name, value in scope["headers"])
+            if header_bytes > MAX_HEADER_BYTES:  # uvicorn caps only headers still arriving, not a block read at once
+                raise RequestError(431, f"request headers of {header_bytes} bytes; the limit is {MAX_HEADER_BYTES}")
             if path == "/health" and method == "GET":
                 stuck = self.registry.longest_running()
                 if stuck > self.limits.request_timeout + 30:
@@ -196,8 +200,15 @@ class ServeGuard:
             return
         data = json.dumps(body).encode()
         request_id = uuid.uuid4().hex
-        headers = [(k, v) for k, v in scope["headers"] if k not in (REQUEST_ID_HEADER, b"content-length")]
-        headers += [(REQUEST_ID_HEADER, request_id.encode()), (b"content-length", str(len(data)).encode())]
+        # the body passed on is the checked JSON, whatever content type the client declared (FastAPI would answer a
+        # text/plain one with a 422 outside OpenAI's error format)
+        passed = (REQUEST_ID_HEADER, b"content-length", b"content-type")
+        headers = [(k, v) for k, v in scope["headers"] if k not in passed]
+        headers += [
+            (REQUEST_ID_HEADER, request_id.encode()),
+            (b"content-length", str(len(data)).encode()),
+            (b"content-type", b"application/json"),
+        ]
         scope = {**scope, "headers": headers}
 
         disconnected = asyncio.Event()

@@ -335,6 +335,16 @@ def test_inspect_plot_replaces_a_file_only_with_overwrite(mlp_kha, tmp_path, cap
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_inspect_plot_never_writes_inside_the_model_it_reads(mlp_kha, tmp_path, capsys, monkeypatch, overwrite):
+    monkeypatch.chdir(tmp_path)
+    (mlp_kha / "old.png").write_bytes(b"old")
+    for plot in [mlp_kha / "new.png", mlp_kha / "old.png", Path("..") / tmp_path.name / mlp_kha.name / "new.png"]:
+        rc, err = cli(capsys, ["inspect", str(mlp_kha), "--plot", str(plot)] + ["--overwrite"] * overwrite)
+        assert rc == 2 and "inside the source" in err
+    assert not (mlp_kha / "new.png").exists() and (mlp_kha / "old.png").read_bytes() == b"old"
+
+
 def test_inspect_plot_refuses_a_folder(mlp_kha, tmp_path, capsys):
     (tmp_path / "dir.png").mkdir()
     rc, err = cli(capsys, ["inspect", str(mlp_kha), "--plot", str(tmp_path / "dir.png"), "--overwrite"])

@@ -579,3 +579,50 @@ def test_a_slow_render_runs_off_the_event_loop_under_the_time_limit(hostile):
     assert quick.status_code == 200, quick.text
     assert response.status_code == 408, response.text
     assert "--request-timeout" in response.text and error_param(response) == "messages"
+
+
+# ---------------------------------------------------------------- the attack on round 4 (helper report)
+
+
+def test_a_header_block_over_the_cap_is_refused_even_when_it_arrives_at_once(hostile):
+    base, _, _ = hostile
+    headers = {"content-type": "application/json", "x-a": "a" * 60000, **CLOSE}
+    response = requests.post(f"{base}{COMPLETIONS}", json={"prompt": "the", "max_tokens": 2}, headers=headers)
+    assert response.status_code == 431, response.text
+    assert "limit" in response.json()["error"]["message"]
+    assert_live(base)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", None])
+def test_a_json_body_with_another_content_type_is_answered(hostile, content_type):
+    base, _, _ = hostile
+    headers = {**CLOSE, **({"content-type": content_type} if content_type else {})}
+    data = json.dumps({"prompt": "the", "max_tokens": 2, "temperature": 0}).encode()
+    response = requests.post(f"{base}{COMPLETIONS}", data=data, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+
+
+def test_time_waiting_behind_other_requests_counts_toward_the_time_limit(hostile):
+    """Six long requests at once on the sequential path: each ends within its --request-timeout of being sent
+    (cut with finish_reason "length", or 503 when its time ran out in the queue), never one after another's."""
+    base, _, _ = hostile
+    body = {"prompt": "the", "max_tokens": LIMIT, "temperature": 0}
+
+    def timed(_):
+        start = time.monotonic()
+        response = post(base, COMPLETIONS, body, timeout=120)
+        return response.status_code, time.monotonic() - start, response
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(timed, range(6)))
+    for status, seconds, response in results:
+        assert status in (200, 503), response.text
+        assert seconds < TIMEOUT + 8, [
+            (s, round(t, 1)) for s, t, _ in results
+        ]  # 6 x TIMEOUT if queued time did not count
+        if status == 503:
+            assert "busy" in response.json()["error"]["message"]
+        else:
+            assert response.json()["choices"][0]["finish_reason"] == "length"
+    assert any(status == 503 for status, _, _ in results), "no request waited: the test shows nothing"
+    assert_live(base)
