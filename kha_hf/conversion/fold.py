@@ -61,6 +61,22 @@ def fold_plan(
     return plan
 
 
+def checked_fold_plan(
+    kha_dir: Path, config: KHAConfig, tensors: dict, linear: list[str]
+) -> tuple[dict[str, list[tuple[torch.Tensor, list[tuple[int, int]]]]], list[str]]:
+    """(`fold_plan` of KHA_DIR's LINEAR knocks, the knock tensors it absorbs), after checking that the knocks are
+    there, of the right shape and finite."""
+    try:
+        prefix = layer_prefix(tensors, config.base_model_type)
+    except ValueError as err:
+        raise KHAError(f"{kha_dir}: {err}") from err
+    check_knock_tensors(config, tensors, prefix, kha_dir)
+    knocks = read_knocks(kha_dir, tensors)
+    check_finite(knocks, kha_dir)
+    plan = fold_plan(config, tensors, prefix, knocks, linear)
+    return plan, [k for k in knock_keys(tensors) if KNOCK_KEY.match(k).group("target") in linear]
+
+
 def fold(
     kha_dir: str | Path,
     out: str | Path,
@@ -101,15 +117,7 @@ def fold(
         if not linear:
             raise KHAError("nothing to fold: this model has no linear knocks (only the value MLP)")
     tensors = read_checkpoint_index(kha_dir)
-    try:
-        prefix = layer_prefix(tensors, config.base_model_type)
-    except ValueError as err:
-        raise KHAError(f"{kha_dir}: {err}") from err
-    check_knock_tensors(config, tensors, prefix, kha_dir)
-    knocks = read_knocks(kha_dir, tensors)
-    check_finite(knocks, kha_dir)
-    plan = fold_plan(config, tensors, prefix, knocks, linear)
-    folded_knocks = [k for k in knock_keys(tensors) if KNOCK_KEY.match(k).group("target") in linear]
+    plan, folded_knocks = checked_fold_plan(kha_dir, config, tensors, linear)
     dropped = set(folded_knocks)
 
     with atomic_output_dir(out, overwrite=overwrite, marker="fold") as tmp:

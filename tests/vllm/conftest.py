@@ -14,33 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import side_environment
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")
-
-
-def vllm_python() -> Path | None:
-    configured = os.environ.get("KHA_VLLM_PYTHON")
-    path = Path(configured) if configured else ROOT / ".venv-vllm" / "bin" / "python"
-    return path if path.is_file() else None
 
 
 @pytest.fixture(scope="session")
 def vllm_env() -> Path:
     """The vLLM environment's python, after checking that vLLM imports there."""
-    python = vllm_python()
-    problem = None
-    if python is None:
-        problem = "no vLLM environment (.venv-vllm or $KHA_VLLM_PYTHON)"
-    else:
-        check = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, text=True, timeout=300)
-        if check.returncode != 0:
-            problem = f"vLLM does not import in {python}: {check.stderr.strip().splitlines()[-1:]}"
-    if problem:
-        message = f"{problem}; create it with: bash scripts/install.sh vllm"
-        if os.environ.get("KHA_REQUIRE_VLLM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return python
+    return side_environment("vLLM", ".venv-vllm", "vllm", "KHA_VLLM_PYTHON", "KHA_REQUIRE_VLLM", "vllm")
 
 
 def run_worker(python: Path, job: dict, tmp_path: Path, timeout: int = 1800) -> dict:

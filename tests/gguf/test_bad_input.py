@@ -1,0 +1,140 @@
+"""Bad input to `kha fold KHA_DIR OUT.gguf`: one line `kha fold: error: ...`, exit 2, and no file written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kha_hf.cli import main
+from tests.cli.test_bad_input import one_line_error
+from tests.gguf.conftest import tiny_kha, tiny_tokenizer
+from tests.helpers import save_tiny_checkpoint
+
+
+@pytest.fixture
+def kha(tmp_path) -> Path:
+    tiny_kha(tmp_path / "kha", "llama")
+    return tmp_path / "kha"
+
+
+def fold_error(capsys, *argv) -> str:
+    return one_line_error(capsys, ["fold", *map(str, argv)], "fold")
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(".kha-") or p.suffix == ".gguf")
+
+
+def test_existing_output_is_refused_without_overwrite_and_replaced_with_it(kha, tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    assert main(["fold", str(kha), str(out)]) == 0
+    before = out.read_bytes()
+    assert "already exists; pass --overwrite" in fold_error(capsys, kha, out)
+    assert out.read_bytes() == before
+    assert main(["fold", str(kha), str(out), "--overwrite", "--outtype", "q8_0"]) == 0
+    assert out.read_bytes() != before and out.read_bytes()[:4] == b"GGUF"
+
+
+def test_overwrite_replaces_gguf_files_only(kha, tmp_path, capsys):
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("my notes, not a model")
+    assert "is not a GGUF file" in fold_error(capsys, kha, notes, "--overwrite")
+    assert notes.read_text() == "my notes, not a model"
+    (tmp_path / "dir.gguf").mkdir()
+    assert "is not a file" in fold_error(capsys, kha, tmp_path / "dir.gguf", "--overwrite")
+    (tmp_path / "link.gguf").symlink_to(notes)
+    assert "symbolic link" in fold_error(capsys, kha, tmp_path / "link.gguf", "--overwrite")
+    assert "inside the source" in fold_error(capsys, kha, kha / "m.gguf")
+
+
+def test_kha_mlp_is_refused_with_the_reason_and_the_way_out(tmp_path, capsys):
+    tiny_kha(tmp_path / "mlp", "llama", knock="mlp_v")
+    err = fold_error(capsys, tmp_path / "mlp", tmp_path / "m.gguf")
+    assert "llama.cpp has no value-MLP graph" in err
+    assert "linear_v or linear_qkv" in err and "kha serve" in err and "vLLM" in err
+    err = fold_error(capsys, tmp_path / "mlp", tmp_path / "m.gguf", "--partial")
+    assert "--partial keeps the value MLP" in err
+    assert leftovers(tmp_path) == []
+
+
+def test_a_family_llama_cpp_cannot_express(tmp_path, capsys):
+    save_tiny_checkpoint(tmp_path / "olmo2", "olmo2", knock="linear_qkv", vocab_size=320)
+    tiny_tokenizer(tmp_path / "olmo2")
+    err = fold_error(capsys, tmp_path / "olmo2", tmp_path / "m.gguf")
+    assert "'olmo2'" in err and "gemma3_text" in err and "kha fold KHA_DIR OUT" in err
+    save_tiny_checkpoint(tmp_path / "qwen2", "qwen2", knock="linear_v", vocab_size=320)  # sliding window on
+    tiny_tokenizer(tmp_path / "qwen2")
+    err = fold_error(capsys, tmp_path / "qwen2", tmp_path / "m.gguf")
+    assert "sliding window (5 tokens" in err and "llama.cpp's qwen2 graph attends to the whole context" in err
+    save_tiny_checkpoint(tmp_path / "mistral", "mistral", knock="linear_v", vocab_size=320)  # Mistral v0.1's window
+    tiny_tokenizer(tmp_path / "mistral")
+    assert "llama.cpp's llama graph attends to the whole context" in fold_error(
+        capsys, tmp_path / "mistral", tmp_path / "m.gguf"
+    )
+    assert leftovers(tmp_path) == []
+
+
+def test_a_tokenizer_without_what_gguf_needs(kha, tmp_path, capsys):
+    (kha / "tokenizer.json").unlink()
+    err = fold_error(capsys, kha, tmp_path / "m.gguf")
+    assert "has no tokenizer.json (it has tokenizer_config.json)" in err and "carries its tokenizer" in err
+    from kha_hf.training.tokenizer import train_bpe_tokenizer
+
+    train_bpe_tokenizer(["abc"], vocab_size=128).save_pretrained(kha)  # the 256 bytes only: no merge
+    assert "has no merges" in fold_error(capsys, kha, tmp_path / "m.gguf")
+    assert leftovers(tmp_path) == []
+
+
+def test_an_unknown_pre_tokenizer_is_refused_unless_named(kha, tmp_path, capsys):
+    spec = json.loads((kha / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        ],
+    }
+    (kha / "tokenizer.json").write_text(json.dumps(spec))
+    err = fold_error(capsys, kha, tmp_path / "m.gguf")
+    assert "not one llama.cpp knows" in err and "--tokenizer-pre" in err
+    assert main(["fold", str(kha), str(tmp_path / "m.gguf"), "--tokenizer-pre", "smollm"]) == 0
+
+
+@pytest.mark.parametrize("where", ["projection", "knock"])
+def test_non_finite_weights_are_refused_and_nothing_is_left(kha, tmp_path, capsys, where):
+    path = kha / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.up_proj.weight" if where == "projection" else "model.layers.1.self_attn.k_knock.weight"
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    err = fold_error(capsys, kha, tmp_path / "m.gguf")
+    assert name in err and "NaN or infinite" in err
+    assert leftovers(tmp_path) == []
+
+
+def test_f16_overflow_is_refused_with_the_way_out(kha, tmp_path, capsys):
+    path = kha / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e6
+    save_file(tensors, path, metadata={"format": "pt"})
+    err = fold_error(capsys, kha, tmp_path / "m.gguf", "--outtype", "f16")
+    assert "beyond float16's range" in err and "bf16 or f32" in err
+    assert leftovers(tmp_path) == []
+
+
+def test_gguf_only_options(kha, tmp_path, capsys):
+    assert "apply to a GGUF output only" in fold_error(capsys, kha, tmp_path / "folder", "--outtype", "q8_0")
+    assert "--link does not apply" in fold_error(capsys, kha, tmp_path / "m.gguf", "--link")
+    assert "invalid choice" in fold_error(capsys, kha, tmp_path / "m.gguf", "--outtype", "q4_0")
+
+
+def test_python_api_routes_gguf(kha, tmp_path):
+    from kha_hf import fold
+
+    result = fold(kha, tmp_path / "m.gguf", outtype="q8_0", progress=False)
+    assert result.output == tmp_path / "m.gguf" and len(result.folded) == 9 and not result.kept_kha
+    assert torch.tensor(list((tmp_path / "m.gguf").read_bytes()[:4])).tolist() == list(b"GGUF")
