@@ -20,7 +20,7 @@ ALLOWED = {
     "eval": {"eval", "common", "modeling"},
     "training": {"training", "common", "modeling"},
     "serving": {"serving", "common", "modeling"},
-    "peft": {"peft", "common", "modeling"},
+    "peft": {"peft", "common", "modeling", "conversion"},  # adapters <-> KHA checkpoints (adapter_files.py)
 }
 
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from ..common.errors import KHAError
-from . import ab, assets, convert, demo, fold, inspect, push, serve, train, verify
+from . import ab, adapter, assets, convert, demo, fold, inspect, push, serve, train, verify
 from . import eval as eval_  # `eval_`: the module of `kha eval`, not the builtin
 from ._common import HelpFormatter, OneLineErrorParser
 
@@ -28,7 +28,7 @@ EPILOG = """typical workflow:
 """
 
 # in the order of `kha --help`
-COMMANDS = [convert, verify, train, ab, eval_, inspect, fold, push, serve, demo, assets]
+COMMANDS = [convert, verify, train, ab, eval_, inspect, fold, adapter, push, serve, demo, assets]
 SUBCOMMANDS = [command.add_parser for command in COMMANDS]
 
 

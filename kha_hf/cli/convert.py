@@ -16,12 +16,15 @@ def add_parser(sub) -> None:
         "  kha convert Qwen/Qwen3-0.6B ./qwen3-0.6b-kha --knock mlp_v --verify\n"
         "  kha convert ./my-llama ./my-llama-kha --knock linear_qkv --link\n"
         "  kha convert ./SmolLM2-135M.Q4_1.gguf ./smollm2-kha\n"
-        "  kha convert ./my-llama ./my-llama-kha --push-to-hub me/my-llama-kha",
+        "  kha convert ./my-llama ./my-llama-kha --push-to-hub me/my-llama-kha\n"
+        "  kha convert ./my-llama ./my-llama-kha --adapter ./my-knock-adapter",
         formatter_class=HelpFormatter,
     )
     p.add_argument("src", metavar="SRC", help="checkpoint folder, Hub id (owner/name) or .gguf file")
     p.add_argument("dst", metavar="DST", help="output folder (written atomically)")
-    p.add_argument("--knock", default=DEFAULT_KNOCK, choices=sorted(KNOCK_PRESETS), help="knock preset")
+    p.add_argument(
+        "--knock", default=None, choices=sorted(KNOCK_PRESETS), help=f"knock preset (default: {DEFAULT_KNOCK})"
+    )
     p.add_argument(
         "--knock-layers", type=parse_layers, default=None, help="layers to knock, e.g. 0,1,8-15 (default all)"
     )
@@ -34,6 +37,12 @@ def add_parser(sub) -> None:
     p.add_argument("--private", action="store_true", help="make the Hub repo private")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--revision", help="Hub revision of SRC")
+    p.add_argument(
+        "--adapter",
+        metavar="ADAPTER_DIR",
+        help="a knock adapter (PEFT, KnockConfig) trained on SRC: DST gets its knocks, types and layers instead of "
+        "identity knocks (the servable form of an adapter whose MLP knocks cannot merge)",
+    )
     p.set_defaults(func=run)
 
 
@@ -42,6 +51,7 @@ def run(args) -> int:
 
     from ..common.loading import check_hub_repo_id, check_tokenizer_needs_no_code
     from ..conversion import convert
+    from ..peft.adapter_files import read_knock_adapter
 
     if args.push_to_hub:
         check_hub_repo_id(args.push_to_hub, "--push-to-hub")  # before converting, not after
@@ -60,6 +70,9 @@ def run(args) -> int:
         private=args.private,
         overwrite=args.overwrite,
         revision=args.revision,
+        trained_knocks=read_knock_adapter(args.adapter) if args.adapter else None,  # before SRC is read
     )
-    print(f"wrote {result.output}: {len(result.knock_tensors)} knock tensors ({result.config.knock_preset})")
+    preset = result.config.knock_preset or "custom"
+    origin = f", trained, from {args.adapter}" if args.adapter else ""
+    print(f"wrote {result.output}: {len(result.knock_tensors)} knock tensors ({preset}{origin})")
     return 0

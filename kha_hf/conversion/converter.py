@@ -28,7 +28,7 @@ from ..common.output import atomic_output_dir, carry_over_files, place_file, rep
 from ..common.paths import check_destination, check_free_space, check_source_links
 from ..common.safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index, shard_files
 from ..common.version import __version__
-from ..modeling.configuration_kha import KHAConfig, base_config_class, resolve_knock_preset
+from ..modeling.configuration_kha import DEFAULT_KNOCK, KHAConfig, base_config_class, resolve_knock_preset
 from ..modeling.families import family_spec
 from ..modeling.modeling_kha import KNOCKS_FILE
 from .knock_tensors import initial_knock_tensors, layer_prefix
@@ -38,9 +38,24 @@ CONVERTED = (
     "This checkpoint is {base} upgraded to Knocking-Heads Attention by `kha convert`. The knocks start at the "
     "identity, so before any training it computes exactly what the base model computes."
 )
+FROM_ADAPTER = (
+    "This checkpoint is {base} with Knocking-Heads Attention, its knocks taken from a knock adapter (PEFT) trained "
+    "on it, written by `kha convert --adapter`."
+)
 SINGLE_SHARD = "model-00001-of-00001.safetensors"
 REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainedKnocks:
+    """Knocks trained on a base model elsewhere (a PEFT knock adapter), for `convert` to write instead of
+    identities."""
+
+    knock_types: dict[str, str]  # q / k / v -> linear or mlp (targets without a knock left out)
+    knock_layers: list[int] | None  # None: every attention layer
+    base_model_type: str | None  # the family they were trained on, when recorded
+    tensors: dict[str, torch.Tensor]  # by the KHA model's names (`model.layers.3.self_attn.v_knock.up.weight`)
 
 
 @dataclass
@@ -55,7 +70,7 @@ class ConversionResult:
 def convert(
     src: str | Path,
     dst: str | Path,
-    knock: str = "mlp_v",
+    knock: str | None = None,
     knock_layers: list[int] | None = None,
     link: bool = False,
     dtype: str | None = None,
@@ -66,19 +81,31 @@ def convert(
     revision: str | None = None,
     token: str | None = None,
     progress: bool = True,
+    trained_knocks: TrainedKnocks | None = None,
 ) -> ConversionResult:
     """Upgrade SRC (folder, Hub id or .gguf) to a KHA checkpoint in DST with identity knocks.
 
     Args:
-        knock: preset name (mlp_v, linear_v, linear_qkv, mlp_v_linear_qk).
+        knock: preset name (mlp_v, the default, linear_v, linear_qkv, mlp_v_linear_qk).
         knock_layers: layer indices to knock (default: all).
         link: hard-link the original shards instead of copying them (symlink across file systems).
         dtype: cast weights to float32/bfloat16/float16 (rewrites shards one at a time); default: keep.
         verify: load base and KHA models and require identical logits before DST is put in place.
         push_to_hub: upload the finished folder to this Hub repo id.
+        trained_knocks: knocks trained on SRC elsewhere (a knock adapter: `kha_hf.peft.read_knock_adapter(dir)`):
+            DST gets them instead of identities, with their knock types and layers (KNOCK and KNOCK_LAYERS must
+            then be left unset).
     """
+    knocks_from = trained_knocks
+    if knocks_from is not None:
+        if knock is not None or knock_layers is not None:
+            raise KHAError("--adapter sets the knocks: leave --knock and --knock-layers out")
+        if verify:
+            raise KHAError("--verify checks identity knocks; an adapter's trained knocks change the outputs")
+    knock = DEFAULT_KNOCK if knock is None and knocks_from is None else knock
     try:
-        resolve_knock_preset(knock)  # fail fast, before any download or copy
+        if knocks_from is None:
+            resolve_knock_preset(knock)  # fail fast, before any download or copy
     except ValueError as err:
         raise KHAError(str(err)) from err
     if dtype is not None and dtype not in DTYPES:
@@ -102,11 +129,13 @@ def convert(
                 dequantize_gguf(source.gguf_file, Path(dequantised))
                 dequantised_source = Source(Path(dequantised), source.name)
                 # link: the dequantised shards are ours to give away (they vanish with the temporary folder)
-                result = _convert_folder(dequantised_source, out, knock, knock_layers, True, dtype, progress, card)
+                result = _convert_folder(
+                    dequantised_source, out, knock, knock_layers, True, dtype, progress, card, knocks_from
+                )
                 if verify:  # against what the GGUF loads as, already on disk: not dequantised a second time
                     _verify(Path(dequantised), out, dtype, what=f"{source.gguf_file.name} (dequantised)")
         else:
-            result = _convert_folder(source, out, knock, knock_layers, link, dtype, progress, card)
+            result = _convert_folder(source, out, knock, knock_layers, link, dtype, progress, card, knocks_from)
             if verify:
                 _verify(source.folder, out, dtype, what=source.name)
     result.output = dst.absolute()
@@ -162,11 +191,17 @@ def _convert_folder(
     dtype: str | None,
     progress: bool,
     card: SourceCard,
+    knocks_from: TrainedKnocks | None = None,
 ) -> ConversionResult:
     base_config = read_config(source.folder)
     check_base_config(base_config, source.folder)
     try:
-        config = KHAConfig.from_base(base_config, knock=knock, knock_layers=knock_layers)
+        if knocks_from is None:
+            config = KHAConfig.from_base(base_config, knock=knock, knock_layers=knock_layers)
+        else:
+            config = adapter_kha_config(base_config, knocks_from, source.folder)
+    except KHAError:
+        raise
     except Exception as err:  # the family's config class rejects what it cannot use, in its own words
         raise KHAError(f"invalid {source.folder / 'config.json'}: {err}") from err
     tensors = read_checkpoint_index(source.folder)
@@ -179,6 +214,9 @@ def _convert_folder(
     floats = Counter(info.dtype for info in tensors.values() if info.dtype.is_floating_point)
     source_dtype = floats.most_common(1)[0][0] if floats else torch.float32
     target_dtype = DTYPES[dtype] if dtype else source_dtype
+    knocks = initial_knock_tensors(config, target_dtype, prefix)
+    if knocks_from is not None:  # checked against what the KHA model needs before any shard is written
+        knocks = adapter_knocks(knocks, knocks_from.tensors, source.name)
     shards = shard_files(tensors)
     if KNOCKS_FILE in shards:
         raise KHAError(f"{source.folder} already has a shard named {KNOCKS_FILE}, the file kha writes the knocks to")
@@ -200,7 +238,6 @@ def _convert_folder(
             placed.append(place_file(source.folder / name, target, link))
     report_placement(placed)
 
-    knocks = initial_knock_tensors(config, target_dtype, prefix)
     metadata = {"format": "pt", "kha_knock_preset": config.knock_preset or "custom", "kha_hf_version": __version__}
     save_file(knocks, out / KNOCKS_FILE, metadata=metadata)
     weight_map = {name: renamed.get(info.file, info.file) for name, info in tensors.items()}
@@ -218,8 +255,37 @@ def _convert_folder(
     copy_model_code(out)
     carry_over_files(source.folder, out)
     title = f"{card.base_model or source.name} with Knocking-Heads Attention"
-    (out / "README.md").write_text(kha_card(config, card, title, CONVERTED))
+    (out / "README.md").write_text(kha_card(config, card, title, CONVERTED if knocks_from is None else FROM_ADAPTER))
     return ConversionResult(out, source.name, config, sorted(knocks), [renamed.get(s, s) for s in shards])
+
+
+def adapter_kha_config(base_config: dict, adapter: TrainedKnocks, folder: Path) -> KHAConfig:
+    """The KHA config of BASE_CONFIG with the knock types and layers of ADAPTER."""
+    recorded = adapter.base_model_type
+    if recorded is not None and recorded != base_config.get("model_type"):
+        raise KHAError(f"the adapter was trained on a {recorded} model; {folder} is {base_config.get('model_type')!r}")
+    types = {f"knock_{t}": adapter.knock_types.get(t, "none") for t in ("q", "k", "v")}
+    return KHAConfig.from_base(base_config, knock=None, knock_layers=adapter.knock_layers, **types)
+
+
+def adapter_knocks(
+    identities: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], what: str
+) -> dict[str, torch.Tensor]:
+    """TRAINED (an adapter's knocks, by KHA name) in place of IDENTITIES: the same names and shapes, cast to the
+    checkpoint's dtype; one line naming the first difference otherwise (an adapter of another model)."""
+    missing, extra = sorted(set(identities) - set(trained)), sorted(set(trained) - set(identities))
+    if missing or extra:
+        raise KHAError(
+            f"the adapter's knocks do not fit {what}: {len(missing)} missing {missing[:2]}, {len(extra)} unexpected "
+            f"{extra[:2]} (an adapter of another model?)"
+        )
+    for name, tensor in trained.items():
+        if tensor.shape != identities[name].shape:
+            raise KHAError(
+                f"the adapter's {name} has shape {tuple(tensor.shape)}, {what} needs {tuple(identities[name].shape)} "
+                "(an adapter of another model size?)"
+            )
+    return {name: trained[name].to(identities[name].dtype).contiguous() for name in identities}
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

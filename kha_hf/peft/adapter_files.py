@@ -1,0 +1,138 @@
+"""Knock adapter folders and KHA checkpoints, one into the other, from the command line.
+
+`read_knock_adapter`: an adapter folder read without loading a model, its config and its knocks under a KHA model's
+names. `write_knock_adapter`: a KHA checkpoint's knocks saved as a knock adapter of its stock base (`kha adapter`).
+
+`kha convert BASE DST --adapter ADAPTER_DIR` (`convert(..., trained_knocks=read_knock_adapter(dir))`) streams
+BASE into a KHA checkpoint whose knocks are the adapter's (instead of identities): the servable form of an adapter
+whose MLP knocks cannot merge into a stock model. Only what a knock adapter holds is accepted: `adapter_config.json`
+of type KNOCK, validated by `KnockConfig`, and `adapter_model.safetensors` (never a pickle) holding knock tensors
+only, every one finite floating point. Which knocks and shapes the KHA model needs is the converter's to check
+(`conversion.converter`).
+
+Adapter keys, as `KnockModel.save_pretrained` writes them (the adapter's name stripped):
+`base_model.model.model.layers.3.self_attn.v_proj.knock_sets.v_knock.net.0.weight` -> KHA key
+`model.layers.3.self_attn.v_knock.net.0.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..common.errors import KHAError
+from ..common.paths import check_source_links
+from ..common.safetensors_index import read_header
+from ..conversion.converter import TrainedKnocks
+from .config import KNOCK_PEFT_TYPE, KnockConfig
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+_ADAPTER_KEY = re.compile(r"^(?P<layer>.+)\.[^.]+\.knock_sets\.(?P<knock>[qkv]_knock\.[A-Za-z0-9_.]+)$")
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_adapter_config(folder: Path) -> KnockConfig:
+    """FOLDER's adapter_config.json as a KnockConfig; one-line KHAError for anything else."""
+    path = folder / ADAPTER_CONFIG
+    if not path.is_file():
+        raise KHAError(f"{folder} is not a PEFT adapter folder: it has no {ADAPTER_CONFIG}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise KHAError(f"{path} is larger than an adapter config can be ({path.stat().st_size} bytes)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise KHAError(f"{path} is not valid JSON: {str(err)[:200]}") from None
+    if not isinstance(raw, dict):
+        raise KHAError(f"{path} must hold a JSON object")
+    if raw.get("peft_type") != KNOCK_PEFT_TYPE:
+        raise KHAError(
+            f"{path}: peft_type {raw.get('peft_type')!r} is not a knock adapter ({KNOCK_PEFT_TYPE}); only knock "
+            "adapters convert into a KHA checkpoint"
+        )
+    known = set(KnockConfig.__dataclass_fields__)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise KHAError(f"{path}: unknown fields {unknown[:5]}")
+    try:
+        return KnockConfig(**{key: value for key, value in raw.items() if key != "peft_type"})
+    except (TypeError, ValueError) as err:
+        raise KHAError(f"{path}: {str(err)[:300]}") from None
+
+
+def read_adapter_knocks(folder: Path) -> dict[str, torch.Tensor]:
+    """FOLDER's knock tensors under KHA names; refuses pickles, other tensors, non-finite values."""
+    path = folder / ADAPTER_WEIGHTS
+    if not path.is_file():
+        pickled = folder / "adapter_model.bin"
+        if pickled.exists():
+            raise KHAError(f"{pickled} is a pickle (it could run code); save the adapter with safetensors")
+        raise KHAError(f"{folder} has no {ADAPTER_WEIGHTS}")
+    header = read_header(path)  # validated: dtypes, shapes, byte ranges, duplicate names
+    names: dict[str, str] = {}
+    for key in header:
+        match = _ADAPTER_KEY.match(key[len(PEFT_PREFIX) :]) if key.startswith(PEFT_PREFIX) else None
+        if match is None:
+            raise KHAError(
+                f"{path}: {key} is not a knock tensor (an adapter that also trains other modules, modules_to_save, "
+                "does not convert: those weights would be lost)"
+            )
+        kha_key = f"{match['layer']}.{match['knock']}"
+        if kha_key in names.values():
+            raise KHAError(f"{path}: two tensors name the knock {kha_key}")
+        names[key] = kha_key
+    knocks = {}
+    with safe_open(path, framework="pt") as f:
+        for key, kha_key in names.items():
+            tensor = f.get_tensor(key)
+            if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+                raise KHAError(f"{path}: {key} is not finite floating point ({tensor.dtype})")
+            knocks[kha_key] = tensor
+    if not knocks:
+        raise KHAError(f"{path} holds no knock tensors")
+    return knocks
+
+
+def read_knock_adapter(folder: str | Path) -> TrainedKnocks:
+    """The knock adapter in FOLDER (whose files may not link out of it), for `convert(..., trained_knocks=...)`."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise KHAError(f"--adapter {folder}: not a folder (a knock adapter saved by save_pretrained)")
+    check_source_links(folder, [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if (folder / name).exists()])
+    config = read_adapter_config(folder)
+    return TrainedKnocks(config.knock_types, config.knock_layers, config.base_model_type, read_adapter_knocks(folder))
+
+
+def write_knock_adapter(
+    kha_dir: str | Path, out: str | Path, base: str | None = None, overwrite: bool = False
+) -> tuple[Path, int]:
+    """Save KHA_DIR's knocks as a knock adapter folder OUT (written atomically, kha's destination rule) for the
+    stock model of its base family; BASE (a Hub id or folder) is recorded as the adapter's base model, so that
+    `AutoPeftModelForCausalLM.from_pretrained(OUT)` finds it. Returns (OUT, the adapter's parameter count)."""
+    from ..common.output import atomic_output_dir
+    from ..common.paths import check_destination
+    from ..conversion.knock_reader import check_finite, read_kha_config, read_knocks
+    from ..modeling.modeling_kha import KHAForCausalLM
+    from .convert import knock_adapter_from_kha
+
+    kha_dir = Path(kha_dir).expanduser()
+    out = check_destination(out, [kha_dir], overwrite)
+    if not kha_dir.is_dir():
+        raise KHAError(f"{kha_dir} is not a folder: KHA_DIR must be a KHA checkpoint folder")
+    check_source_links(kha_dir)
+    read_kha_config(kha_dir)  # a KHA checkpoint, its values checked, before a model is built
+    check_finite(read_knocks(kha_dir), kha_dir)
+    try:
+        model = KHAForCausalLM.from_pretrained(kha_dir)
+    except (OSError, ValueError) as err:
+        raise KHAError(f"cannot load the KHA model in {kha_dir}: {str(err)[:300]}") from err
+    adapter = knock_adapter_from_kha(model)
+    adapter.peft_config["default"].base_model_name_or_path = base
+    count = sum(p.numel() for n, p in adapter.named_parameters() if ".knock_sets." in n)
+    with atomic_output_dir(out, overwrite=overwrite, marker="adapter") as tmp:
+        adapter.save_pretrained(tmp)
+    return out, count
