@@ -40,8 +40,8 @@ def run(args) -> int:
 
     if args.plot:
         check_plot_path(args.plot)  # before any work: a bad name is a one-line error
-        check_place(args.plot, [Path(args.kha_dir)])  # KHA_DIR is read-only: no plot inside it
         check_file_destination(args.plot, args.overwrite)  # no link written through, no file replaced unasked
+        check_place(args.plot, [Path(args.kha_dir)])  # KHA_DIR is read-only: no plot inside it
     rows = knock_statistics(args.kha_dir)
     print(to_json(rows) if args.json else format_table(rows))
     if args.plot:

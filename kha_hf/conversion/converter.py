@@ -56,6 +56,7 @@ class TrainedKnocks:
     knock_layers: list[int] | None  # None: every attention layer
     base_model_type: str | None  # the family they were trained on, when recorded
     tensors: dict[str, torch.Tensor]  # by the KHA model's names (`model.layers.3.self_attn.v_knock.up.weight`)
+    folder: Path | None = None  # where they were read: a source, which DST may not be, hold or lie in
 
 
 @dataclass
@@ -111,9 +112,10 @@ def convert(
     if dtype is not None and dtype not in DTYPES:
         raise KHAError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     local_src = Path(src).expanduser()
-    dst = check_destination(dst, [local_src] if local_src.exists() else [], overwrite)  # before any download
+    read = [knocks_from.folder] if knocks_from is not None and knocks_from.folder is not None else []
+    dst = check_destination(dst, [local_src, *read] if local_src.exists() else read, overwrite)  # before downloading
     source = resolve_source(src, revision=revision, token=token)
-    check_destination(dst, [source.gguf_file or source.folder], overwrite)
+    check_destination(dst, [source.gguf_file or source.folder, *read], overwrite)
     # no link out of SRC: nothing from elsewhere is copied into DST (of a GGUF's folder, only its card is read)
     gguf_card = [name for name in ("README.md",) if os.path.lexists(source.folder / name)]
     check_source_links(source.folder, gguf_card if source.gguf_file is not None else None)

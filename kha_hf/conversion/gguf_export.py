@@ -32,11 +32,13 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from ..common.checks import check_attention_layout, check_weights_match_config
 from ..common.errors import KHAError
 from ..common.output import atomic_output_file
 from ..common.paths import check_file_destination, check_free_space, check_place, check_source_links
 from ..common.safetensors_index import read_checkpoint_index
 from .fold import checked_fold_plan, fold_projection
+from .gguf_pretokenizers import KNOWN_PRE_TYPES
 from .knock_reader import read_kha_config
 from .knock_tensors import KNOCK_KEY
 from .source import read_config
@@ -141,6 +143,13 @@ def export_gguf(
     elif any(KNOCK_KEY.match(n) for n in tensors):
         raise KHAError(f"{kha_dir}: knock tensors in a checkpoint whose config.json is not a KHA config")
 
+    check_checkpoint_tensors(raw, base, tensors, kha_dir)
+    check_metadata_ranges(base, kha_dir)
+    if tokenizer_pre is not None and tokenizer_pre not in KNOWN_PRE_TYPES:
+        raise KHAError(
+            f"--tokenizer-pre {tokenizer_pre!r} is not a pre-tokenizer type llama.cpp knows; choose one of "
+            f"{', '.join(sorted(KNOWN_PRE_TYPES))}"
+        )
     if outtype == "auto":
         outtype = _checkpoint_outtype(tensors)
     meta = _Metadata(base, model_type, family, warnings)
@@ -210,11 +219,65 @@ FILE_TYPES = {
 }
 
 
+def check_checkpoint_tensors(raw: dict, base, tensors: dict, folder: Path) -> None:
+    """The weights are what BASE (the base config) builds, name for name and shape for shape, in floating point
+    (knocks and the tied output aside): a config that does not describe them would give a file llama.cpp loads with
+    other sizes or cannot load at all. The layer count and sizes are compared first, from the headers alone, so that
+    an absurd config builds nothing."""
+    from transformers import AutoModelForCausalLM
+
+    where = str(folder / "config.json")
+    check_weights_match_config(raw, tensors, where)
+    check_attention_layout(base, tensors, where)
+    with torch.device("meta"):
+        try:
+            skeleton = AutoModelForCausalLM.from_config(base)
+        except Exception as err:  # the family's code rejects what it cannot build, in its own words
+            raise KHAError(f"{where}: {str(err)[:300]}") from None
+    expected = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
+    if getattr(base, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    given = {name: info for name, info in tensors.items() if not KNOCK_KEY.match(name)}
+    missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    if missing or extra:
+        tied = " (tie_word_embeddings is true, yet the weights hold lm_head)" if "lm_head.weight" in extra else ""
+        raise KHAError(
+            f"{where} does not describe the weights: {len(missing)} tensors missing {missing[:2]}, {len(extra)} not "
+            f"in this architecture {extra[:2]}{tied}"
+        )
+    for name, info in given.items():
+        if tuple(info.shape) != expected[name]:
+            raise KHAError(f"{folder}: {name} has shape {list(info.shape)}; the config gives {list(expected[name])}")
+        if not info.dtype.is_floating_point:
+            raise KHAError(f"{folder}: {name} is stored as {info.dtype}, not a floating-point tensor")
+
+
+UINT32_FIELDS = ("max_position_embeddings", "sliding_window", "num_hidden_layers", "hidden_size", "intermediate_size")
+
+
+def check_metadata_ranges(base, folder: Path) -> None:
+    """Values GGUF stores as uint32 or float32 fit there (struct would fail mid-write); norm epsilons are positive."""
+    where = folder / "config.json"
+    for name in UINT32_FIELDS:
+        value = getattr(base, name, None)
+        if isinstance(value, int) and not 0 <= value < 2**32:
+            raise KHAError(f"{where}: {name} {value} does not fit GGUF's 32-bit field")
+    for name in ("rms_norm_eps", "layer_norm_eps"):
+        value = getattr(base, name, None)
+        if value is not None and not (isinstance(value, (int, float)) and 0 < value < 1):
+            raise KHAError(f"{where}: {name} must be a small positive number, got {value!r}")
+    rope = getattr(base, "rope_parameters", None) or {}
+    for parameters in [rope, *[v for v in rope.values() if isinstance(v, dict)]]:
+        theta = parameters.get("rope_theta") if isinstance(parameters, dict) else None
+        if theta is not None and not (isinstance(theta, (int, float)) and 0 < theta < 3.0e38):
+            raise KHAError(f"{where}: rope_theta must be a positive float32 number, got {theta!r}")
+
+
 def _plain_config(raw: dict, folder: Path):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = raw.get("model_type")
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise KHAError(f"{folder / 'config.json'}: unknown model_type {model_type!r}")
     from ..common.checks import check_config_numbers
 
@@ -481,12 +544,14 @@ def _convert(values: torch.Tensor, t: _Tensor, gguf, folder: Path) -> np.ndarray
     array = values.numpy()
     if t.qtype == Q.F32:
         return array
-    if t.qtype == Q.F16:
+    # f16 stores the values, q8_0 each block's scale (its largest |value| / 127) as float16
+    limit = {Q.F16: float(np.finfo(np.float16).max), Q.Q8_0: 127 * float(np.finfo(np.float16).max)}.get(t.qtype)
+    if limit is not None:
         big = float(values.abs().max()) if values.numel() else 0.0
-        if big > float(np.finfo(np.float16).max):
+        if big > limit:
             raise KHAError(
-                f"{folder}: tensor {t.source} holds values up to {big:.3g}, beyond float16's range (65504); "
-                "choose --outtype bf16 or f32"
+                f"{folder}: tensor {t.source} holds values up to {big:.3g}, beyond what {t.qtype.name} stores "
+                f"(|value| <= {limit:.4g}); choose --outtype bf16 or f32"
             )
     rows = array.reshape(-1, array.shape[-1]) if array.ndim > 1 else array.reshape(1, -1)
     first = gguf.quants.quantize(rows[:1], t.qtype)

@@ -104,7 +104,8 @@ def read_knock_adapter(folder: str | Path) -> TrainedKnocks:
         raise KHAError(f"--adapter {folder}: not a folder (a knock adapter saved by save_pretrained)")
     check_source_links(folder, [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if (folder / name).exists()])
     config = read_adapter_config(folder)
-    return TrainedKnocks(config.knock_types, config.knock_layers, config.base_model_type, read_adapter_knocks(folder))
+    knocks = read_adapter_knocks(folder)
+    return TrainedKnocks(config.knock_types, config.knock_layers, config.base_model_type, knocks, folder.absolute())
 
 
 def write_knock_adapter(

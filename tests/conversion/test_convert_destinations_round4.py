@@ -339,7 +339,8 @@ def test_inspect_plot_replaces_a_file_only_with_overwrite(mlp_kha, tmp_path, cap
 def test_inspect_plot_never_writes_inside_the_model_it_reads(mlp_kha, tmp_path, capsys, monkeypatch, overwrite):
     monkeypatch.chdir(tmp_path)
     (mlp_kha / "old.png").write_bytes(b"old")
-    for plot in [mlp_kha / "new.png", mlp_kha / "old.png", Path("..") / tmp_path.name / mlp_kha.name / "new.png"]:
+    plots = [mlp_kha / "new.png", Path("..") / tmp_path.name / mlp_kha.name / "new.png"]
+    for plot in plots + [mlp_kha / "old.png"] * overwrite:  # without --overwrite, old.png is refused as existing
         rc, err = cli(capsys, ["inspect", str(mlp_kha), "--plot", str(plot)] + ["--overwrite"] * overwrite)
         assert rc == 2 and "inside the source" in err
     assert not (mlp_kha / "new.png").exists() and (mlp_kha / "old.png").read_bytes() == b"old"

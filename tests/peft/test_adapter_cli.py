@@ -183,3 +183,14 @@ def test_adapter_command_refuses_what_is_not_a_finite_kha_checkpoint(base, tmp_p
     save_file(tensors, knocks)
     _refused(["adapter", str(tmp_path / "kha"), str(tmp_path / "out2")], capsys, "NaN or infinite")
     assert not (tmp_path / "out2").exists()
+
+
+def test_the_adapter_folder_is_a_source(base, tmp_path, capsys):
+    """DST may not lie inside the adapter folder, and --overwrite may not replace a folder holding it."""
+    trained_adapter(base, tmp_path / "adapter")
+    _refused(["convert", str(base), str(tmp_path / "adapter" / "sub"), "--adapter", str(tmp_path / "adapter")], capsys)
+    assert main(["convert", str(base), str(tmp_path / "kha")]) == 0  # a folder kha wrote
+    trained_adapter(base, tmp_path / "kha" / "adapter")
+    inner = str(tmp_path / "kha" / "adapter")
+    _refused(["convert", str(base), str(tmp_path / "kha"), "--adapter", inner, "--overwrite"], capsys, "contains")
+    assert (tmp_path / "kha" / "adapter" / "adapter_model.safetensors").is_file()

@@ -122,7 +122,7 @@ def test_f16_overflow_is_refused_with_the_way_out(kha, tmp_path, capsys):
     tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e6
     save_file(tensors, path, metadata={"format": "pt"})
     err = fold_error(capsys, kha, tmp_path / "m.gguf", "--outtype", "f16")
-    assert "beyond float16's range" in err and "bf16 or f32" in err
+    assert "beyond what F16 stores" in err and "bf16 or f32" in err
     assert leftovers(tmp_path) == []
 
 
@@ -138,3 +138,76 @@ def test_python_api_routes_gguf(kha, tmp_path):
     result = fold(kha, tmp_path / "m.gguf", outtype="q8_0", progress=False)
     assert result.output == tmp_path / "m.gguf" and len(result.folded) == 9 and not result.kept_kha
     assert torch.tensor(list((tmp_path / "m.gguf").read_bytes()[:4])).tolist() == list(b"GGUF")
+
+
+def test_q8_0_block_scale_overflow_is_refused(kha, tmp_path, capsys):
+    path = kha / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = 1e9  # its block's scale, 1e9 / 127, is beyond float16
+    save_file(tensors, path, metadata={"format": "pt"})
+    err = fold_error(capsys, kha, tmp_path / "m.gguf", "--outtype", "q8_0")
+    assert "beyond what Q8_0 stores" in err and "bf16 or f32" in err
+    assert main(["fold", str(kha), str(tmp_path / "m.gguf"), "--outtype", "bf16"]) == 0
+
+
+@pytest.fixture
+def plain(tmp_path) -> Path:
+    from tests.gguf.conftest import tiny_base
+
+    tiny_base("llama").save_pretrained(tmp_path / "plain")
+    tiny_tokenizer(tmp_path / "plain")
+    return tmp_path / "plain"
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_hidden_layers": 4}, "the weights hold 3"),
+        ({"num_hidden_layers": 10**9}, "the weights hold 3"),  # refused from the headers, nothing built
+        ({"head_dim": 32}, "output features"),
+        ({"num_attention_heads": 8}, "output features"),
+        ({"num_key_value_heads": 3}, "output features"),
+        ({"hidden_size": 128}, "the embedding"),
+        ({"vocab_size": 1000}, "the embedding has"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings is true"),
+        ({"max_position_embeddings": 10**18}, "32-bit"),
+        ({"rms_norm_eps": 1e300}, "rms_norm_eps"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
+        ({"model_type": ["llama"]}, "unknown model_type"),
+    ],
+)
+def test_a_config_that_does_not_describe_the_weights(plain, tmp_path, capsys, changes, message):
+    _edit_config(plain, **changes)
+    assert message in fold_error(capsys, plain, tmp_path / "m.gguf")
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "missing"),
+        (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 32)}), "shape"),
+        (
+            lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"].int()}),
+            "int32",
+        ),
+    ],
+)
+def test_weights_the_config_does_not_describe(plain, tmp_path, capsys, edit, message):
+    path = plain / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert message in fold_error(capsys, plain, tmp_path / "m.gguf")
+    assert leftovers(tmp_path) == []
+
+
+def test_an_unknown_tokenizer_pre_name_is_refused(kha, tmp_path, capsys):
+    err = fold_error(capsys, kha, tmp_path / "m.gguf", "--tokenizer-pre", "xxxxxxxx")
+    assert "not a pre-tokenizer type llama.cpp knows" in err and "smollm" in err
