@@ -22,7 +22,8 @@ def register_auto_classes() -> None:
         return
     from transformers import AutoConfig
 
-    from .modeling.modeling_kha import KHAForCausalLM, KHAModel
+    from .modeling.configuration_kha import TASK_HEADS
+    from .modeling.modeling_kha import PUBLIC_HEADS, KHAForCausalLM, KHAModel
     from .modeling.modeling_kha import register_auto_classes as register_model_classes
 
     AutoConfig.register(KHAConfig.model_type, KHAConfig, exist_ok=True)
@@ -31,6 +32,8 @@ def register_auto_classes() -> None:
     KHAConfig.register_for_auto_class("AutoConfig")
     KHAModel.register_for_auto_class("AutoModel")
     KHAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    for name, head in PUBLIC_HEADS.items():  # reward models, classifiers, extractive QA
+        head.register_for_auto_class(TASK_HEADS[name][0])
     from .peft import register_knock_method
 
     register_knock_method()  # the KNOCK adapter type: PeftModel.from_pretrained(stock, knock_adapter_dir)
@@ -48,6 +51,9 @@ _LAZY = {
     "KHAForCausalLM": ".modeling.modeling_kha",
     "KHAModel": ".modeling.modeling_kha",
     "KHAPreTrainedModel": ".modeling.modeling_kha",
+    "KHAForSequenceClassification": ".modeling.modeling_kha",
+    "KHAForTokenClassification": ".modeling.modeling_kha",
+    "KHAForQuestionAnswering": ".modeling.modeling_kha",
     "count_knock_parameters": ".training.params",
     "is_knock_parameter": ".training.params",
     "knock_parameter_names": ".training.params",
@@ -84,6 +90,9 @@ __all__ = [
     "KHAConfig",
     "KHAError",
     "KHAForCausalLM",
+    "KHAForQuestionAnswering",
+    "KHAForSequenceClassification",
+    "KHAForTokenClassification",
     "KHAModel",
     "KHAPreTrainedModel",
     "KnockConfig",

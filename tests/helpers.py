@@ -161,15 +161,16 @@ def save_tiny_checkpoint(folder, family: str = "llama", knock: str | None = None
     return model
 
 
-def tiny_base_model(name: str, attn_implementation: str = "eager", seed: int = 0):
-    """A random stock transformers model of family `name`, in eval mode.
+def tiny_base_model(name: str, attn_implementation: str = "eager", seed: int = 0, auto=None, **overrides):
+    """A random stock transformers model of family `name`, in eval mode: a causal LM, or the class AUTO builds
+    (`AutoModelForSequenceClassification`, ...); OVERRIDES set config fields (num_labels=...).
 
     Biases are random and non-zero, and q/k norm weights are not 1: with zero biases and unit norms, a knock applied
     before the bias add, or a fold that ignores the bias, computes the same numbers and no test would notice.
     """
     torch.manual_seed(seed)
-    config = tiny_config(name)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+    config = tiny_config(name, **overrides)
+    model = (auto or AutoModelForCausalLM).from_config(config, attn_implementation=attn_implementation).eval()
     gen = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for param_name, param in model.named_parameters():

@@ -251,6 +251,26 @@ def load_tokenizer(
         ) from err
 
 
+def task_head(folder: Path) -> str | None:
+    """The task-head architecture (`Qwen3ForSequenceClassification`, `KHAForTokenClassification`, ...) a checkpoint
+    folder's config.json names, or None for a causal LM."""
+    from ..modeling.configuration_kha import TASK_HEADS
+
+    suffixes = tuple(name.removeprefix("KHA") for name in TASK_HEADS)
+    names = (read_config_dict(folder) or {}).get("architectures") or []
+    return next((name for name in names if isinstance(name, str) and name.endswith(suffixes)), None)
+
+
+def check_not_task_head(folder: Path) -> None:
+    """A reward model or classifier loaded as a causal LM would get a new, random LM head: refuse in one line."""
+    head = task_head(folder)
+    if head is not None:
+        raise KHAError(
+            f"{folder} is a {head} (a task head, not a language model): this command needs a causal LM; "
+            "load it with its own Auto class (e.g. AutoModelForSequenceClassification)"
+        )
+
+
 def load_causal_lm(
     ref: str | Path,
     dtype: str = "float32",
@@ -272,6 +292,7 @@ def load_causal_lm(
     gguf = find_gguf(path) if path.exists() else None
     if gguf is None and path.is_dir():
         check_remote_code_allowed(path, trust_remote_code)
+        check_not_task_head(path)
         check_checkpoint_against_config(path)  # before anything is built: one line, not a random layer
     # first: cheap, and its errors are the common ones
     tok = load_tokenizer(ref, tokenizer, trust_remote_code, gguf, offer_tokenizer=offer_tokenizer)

@@ -28,7 +28,13 @@ from ..common.output import atomic_output_dir, carry_over_files, place_file, rep
 from ..common.paths import check_destination, check_free_space, check_source_links
 from ..common.safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index, shard_files
 from ..common.version import __version__
-from ..modeling.configuration_kha import DEFAULT_KNOCK, KHAConfig, base_config_class, resolve_knock_preset
+from ..modeling.configuration_kha import (
+    DEFAULT_KNOCK,
+    KHAConfig,
+    base_config_class,
+    kha_architecture,
+    resolve_knock_preset,
+)
 from ..modeling.families import family_spec
 from ..modeling.modeling_kha import KNOCKS_FILE
 from .knock_tensors import initial_knock_tensors, layer_prefix
@@ -163,6 +169,10 @@ def check_base_config(base_config: dict, folder: Path) -> None:
         base_config_class(model_type)
     except ValueError as err:
         raise KHAError(f"{folder}: {err}") from err
+    try:
+        kha_architecture(base_config.get("architectures"), model_type)  # a head KHA lacks is refused, not dropped
+    except ValueError as err:
+        raise KHAError(f"{folder}: {err}") from err
     missing = [name for name in REQUIRED_FIELDS if name not in base_config]
     if missing:
         raise KHAError(f"{folder / 'config.json'} lacks required fields: {', '.join(missing)}")
@@ -252,7 +262,8 @@ def _convert_folder(
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
     config.dtype = target_dtype
-    config.architectures = ["KHAForCausalLM"]
+    # the causal LM, or the task head of a reward model / classifier, which keeps its head's tensors
+    config.architectures = [kha_architecture(base_config.get("architectures"), config.base_model_type)]
     config.to_json_file(out / "config.json")
     copy_model_code(out)
     carry_over_files(source.folder, out)

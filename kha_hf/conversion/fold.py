@@ -27,7 +27,7 @@ from ..common.model_code import copy_model_code
 from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
 from ..common.paths import check_destination, check_free_space, check_source_links
 from ..common.safetensors_index import INDEX_FILE, read_checkpoint_index, shard_files
-from ..modeling.configuration_kha import KHAConfig
+from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, family_heads
 from ..modeling.families import family_spec, segment_rows
 from ..modeling.knocks import fold_projection
 from .knock_reader import check_finite, check_knock_tensors, knock_keys, read_kha_config, read_knocks
@@ -116,6 +116,7 @@ def fold(
             )
         if not linear:
             raise KHAError("nothing to fold: this model has no linear knocks (only the value MLP)")
+    kind = next((name for name in config.architectures or [] if name in TASK_HEADS), "KHAForCausalLM")
     tensors = read_checkpoint_index(kha_dir)
     plan, folded_knocks = checked_fold_plan(kha_dir, config, tensors, linear)
     dropped = set(folded_knocks)
@@ -147,12 +148,13 @@ def fold(
         carry_over_files(kha_dir, tmp)
         if partial:
             remaining = KHAConfig(**{**config.to_dict(), **{f"knock_{t}": "none" for t in linear}})
-            remaining.architectures = ["KHAForCausalLM"]
+            remaining.architectures = [kind]
             remaining.to_json_file(tmp / "config.json")
             copy_model_code(tmp)
         else:
             base = config.to_base_config()
-            base.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.base_model_type]]
+            heads = family_heads(config.base_model_type)  # a reward model or classifier keeps its head class
+            base.architectures = [heads.get(kind) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.base_model_type]]
             base.dtype = config.dtype
             base.to_json_file(tmp / "config.json")
         source = read_source_card(kha_dir)

@@ -79,6 +79,7 @@ def verify_conversion(
         find_gguf,
         load_causal_lm,
         read_config_dict,
+        task_head,
         torch_dtype,
     )
 
@@ -90,6 +91,9 @@ def verify_conversion(
     for folder in (Path(base), Path(kha_dir)):  # both, before either is loaded
         if folder.is_dir() and find_gguf(folder) is None:
             check_checkpoint_against_config(folder)
+    head = task_head(Path(kha_dir))
+    if head is not None:  # a reward model or classifier: its head's outputs, exactly
+        return verify_task_head(base, kha_dir, head, device, dtype, prompts, echo, tokenizer, trust_remote_code)
     base_model, _ = load_causal_lm(
         base, dtype, device, attn_implementation="eager", trust_remote_code=trust_remote_code, tokenizer=tokenizer
     )
@@ -112,4 +116,62 @@ def verify_conversion(
             f"greedy tokens {'equal' if base_tokens == kha_tokens else 'differ'}"
         )
     echo("verified: the KHA checkpoint reproduces its base model")
+    return report
+
+
+def verify_task_head(
+    base, kha_dir, head: str, device: str, dtype: str, prompts, echo, tokenizer, trust_remote_code: bool
+) -> VerifyReport:
+    """A converted task-head checkpoint (HEAD, e.g. `KHAForSequenceClassification`) against its base: every output of
+    the head (`logits`; `start_logits` / `end_logits` for question answering) within the dtype's tolerance, and the
+    same predicted classes (reported where a causal LM reports greedy tokens)."""
+    import transformers
+
+    from ..common.loading import (
+        check_remote_code_allowed,
+        describe_error,
+        load_tokenizer,
+        remote_code_kwargs,
+        torch_dtype,
+    )
+    from ..common.loading import task_head as head_of
+    from ..modeling.configuration_kha import TASK_HEADS
+
+    if head not in TASK_HEADS:
+        raise KHAError(f"{kha_dir} names the architecture {head}; a KHA task head is one of {', '.join(TASK_HEADS)}")
+    base_head = head_of(Path(base)) if Path(base).is_dir() else None
+    if base_head is None or not base_head.endswith(head.removeprefix("KHA")):
+        raise KHAError(f"{kha_dir} is a {head}; BASE {base} is {base_head or 'not a checkpoint of that kind'}")
+    auto = getattr(transformers, TASK_HEADS[head][0])
+    check_remote_code_allowed(Path(base), trust_remote_code)
+    tok = load_tokenizer(base, tokenizer, trust_remote_code)
+    kwargs = {"dtype": torch_dtype(dtype), "attn_implementation": "eager"}
+    models = []
+    for ref, extra in ((base, remote_code_kwargs(base, trust_remote_code)), (kha_dir, {})):
+        try:
+            models.append(auto.from_pretrained(ref, **extra, **kwargs).to(device).eval())
+        except (OSError, ValueError) as err:
+            raise KHAError(f"cannot load {str(ref)!r}: {describe_error(err)}") from err
+    base_model, kha_model = models
+    max_diff, base_pred, kha_pred = 0.0, [], []
+    for i, prompt in enumerate(prompts, 1):
+        ids = tok(prompt, return_tensors="pt").input_ids.to(device)
+        with torch.no_grad():
+            outputs = [model(ids) for model in models]
+        names = [n for n in ("logits", "start_logits", "end_logits") if getattr(outputs[0], n, None) is not None]
+        for name in names:
+            b, k = outputs[0][name].double(), outputs[1][name].double()
+            if not (torch.isfinite(b).all() and torch.isfinite(k).all()):
+                raise KHAError(f"NaN or infinite {name} on prompt {i} ({prompt!r}): nothing to compare")
+            max_diff = max(max_diff, (k - b).abs().max().item())
+        base_pred.append(outputs[0][names[0]].argmax(-1).flatten().tolist())
+        kha_pred.append(outputs[1][names[0]].argmax(-1).flatten().tolist())
+    report = VerifyReport(max_diff, TOLERANCE[torch_dtype(dtype)], base_pred, kha_pred)
+    echo(
+        f"max |Δ{names[0]}| over {len(prompts)} prompts ({dtype}, {device}, {head}): {max_diff:.3e} "
+        f"(tolerance {report.tolerance}); predicted classes {'equal' if base_pred == kha_pred else 'differ'}"
+    )
+    if not report.ok:
+        raise KHAError(f"verification failed: max |Δ{names[0]}| {max_diff:.3e} (tolerance {report.tolerance})")
+    echo(f"verified: the KHA {head.removeprefix('KHAFor')} checkpoint reproduces its base model")
     return report

@@ -6,11 +6,13 @@ This `__init__.py` does not travel (transformers never copies it) but follows th
 
 from .configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS, SUPPORTED_BASE_MODEL_TYPES, KHAConfig
 
+_HEADS = ("KHAForSequenceClassification", "KHAForTokenClassification", "KHAForQuestionAnswering")
+
 
 def __getattr__(name: str):
     # The model classes import transformers' modeling stack (about a second): only when asked for, so that the
     # `kha` command can show its help and check its arguments first.
-    if name in ("KHAForCausalLM", "KHAModel", "KHAPreTrainedModel"):
+    if name in ("KHAForCausalLM", "KHAModel", "KHAPreTrainedModel", *_HEADS):
         from . import modeling_kha as module
     elif name in ("KnockLinear", "LinearKnock", "MLPKnock"):
         from . import knocks as module
@@ -25,6 +27,9 @@ __all__ = [
     "SUPPORTED_BASE_MODEL_TYPES",
     "KHAConfig",
     "KHAForCausalLM",
+    "KHAForQuestionAnswering",
+    "KHAForSequenceClassification",
+    "KHAForTokenClassification",
     "KHAModel",
     "KHAPreTrainedModel",
     "KnockLinear",

@@ -88,18 +88,78 @@ _RUNTIME_KEYS = {"attn_implementation", "experts_implementation", "output_attent
 # The fields KHAConfig adds to its base family's.
 KHA_FIELDS = ("base_model_type", "knock_q", "knock_k", "knock_v", "knock_layers")
 
-# Remote-code entry points written into every saved KHA config.
+# Remote-code entry points written into every saved KHA config (plus the task heads its family has: `auto_map_for`).
 AUTO_MAP = {
     "AutoConfig": "configuration_kha.KHAConfig",
     "AutoModel": "modeling_kha.KHAModel",
     "AutoModelForCausalLM": "modeling_kha.KHAForCausalLM",
 }
 
+# Task heads (reward models, classifiers, extractive QA): KHA's public class -> (transformers' Auto class, the name of
+# the Auto mapping that lists each family's own head class). A family has the heads its transformers code has.
+TASK_HEADS: dict[str, tuple[str, str]] = {
+    "KHAForSequenceClassification": (
+        "AutoModelForSequenceClassification",
+        "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    ),
+    "KHAForTokenClassification": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+    "KHAForQuestionAnswering": ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
+}
+
+
+def family_heads(model_type: str | None) -> dict[str, str]:
+    """KHA head class name -> the family's own transformers class name, for the heads MODEL_TYPE has."""
+    from transformers.models.auto import modeling_auto
+
+    heads = {}
+    for public, (_, mapping) in TASK_HEADS.items():
+        name = getattr(modeling_auto, mapping, {}).get(model_type)
+        if isinstance(name, str):
+            heads[public] = name
+    return heads
+
+
+def auto_map_for(model_type: str | None) -> dict[str, str]:
+    """The remote-code entry points of a KHA config of MODEL_TYPE: the model, the causal LM and the family's heads."""
+    entries = dict(AUTO_MAP)
+    for public in family_heads(model_type):
+        entries[TASK_HEADS[public][0]] = f"modeling_kha.{public}"
+    return entries
+
+
+def kha_architecture(architectures: list[str] | None, model_type: str | None) -> str:
+    """The KHA class for a base checkpoint whose config lists ARCHITECTURES: its task head, else the causal LM.
+
+    ValueError for an architecture of the family that KHA has no class for (its head would be dropped).
+    """
+    names = [name for name in architectures or [] if isinstance(name, str)]
+    heads = family_heads(model_type)
+    for name in names:
+        for public, family_name in heads.items():
+            if name == family_name:
+                return public
+    from transformers.models.auto import modeling_auto
+
+    known = {
+        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
+        modeling_auto.MODEL_MAPPING_NAMES.get(model_type),
+    }
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(
+            f"its architecture {unknown[0]} is not a causal LM or a task head KHA has for {model_type} "
+            f"({', '.join([*sorted(n for n in known if n), *heads.values()])}): converting it would drop its head"
+        )
+    return "KHAForCausalLM"
+
 
 def _public_class_name(name: str) -> str:
-    if name.startswith("KHA") and name.endswith("ForCausalLM"):
-        return "KHAForCausalLM"
-    if name.startswith("KHA") and name.endswith("Model"):
+    if not name.startswith("KHA"):
+        return name
+    for public in ("KHAForCausalLM", *TASK_HEADS):
+        if name.endswith(public.removeprefix("KHA")):
+            return public
+    if name.endswith("Model"):
         return "KHAModel"
     return name
 
@@ -193,7 +253,7 @@ class KHAConfig(PreTrainedConfig):
         passthrough = {k: v for k, v in kwargs.items() if k in _RUNTIME_KEYS}
         super().__post_init__(**{**base_values, **passthrough})
         self._validate_knocks()
-        self.auto_map = dict(AUTO_MAP)
+        self.auto_map = auto_map_for(self.base_model_type)
         # transformers 5.24's `_get_model_class` (auto_factory.py) iterates `config.architectures` whenever the Auto
         # mapping holds a tuple of classes, which ours does (the public class, then each family's): a fresh config's
         # `None` made `AutoModelForCausalLM.from_config` raise TypeError. An empty list means the same (no preference:
@@ -239,7 +299,7 @@ class KHAConfig(PreTrainedConfig):
         output.pop("attribute_map", None)  # the family's aliases: rebuilt from base_model_type
         # save_pretrained records the concrete per-family class (e.g. KHAQwen3ForCausalLM); advertise the public
         # entry points instead, which pick the family from `base_model_type`.
-        output["auto_map"] = dict(AUTO_MAP)
+        output["auto_map"] = auto_map_for(self.base_model_type)
         if output.get("architectures"):
             output["architectures"] = [_public_class_name(name) for name in output["architectures"]]
         else:

@@ -9,9 +9,10 @@ transformers code with that one call added (`derive.py`); where the knocks act i
 family's row in `families.py`.
 
 Classes: each base family gets three thin subclasses of its own transformers classes (attention, body, causal LM),
-built when the family is first used (`family_classes`). The public classes `KHAModel` and `KHAForCausalLM` pick
-the family's subclass from `config.base_model_type`, so `isinstance(model, KHAForCausalLM)` holds for every family
-and one `auto_map` entry serves them all. A KHA model is built by the family's own `__init__`; its `post_init`
+built when the family is first used (`family_classes`), and one for each task head it has (sequence and token
+classification, question answering: `head_class`). The public classes `KHAModel`, `KHAForCausalLM` and the heads
+(`KHAForSequenceClassification`, ...) pick the family's subclass from `config.base_model_type`, so
+`isinstance(model, KHAForCausalLM)` holds for every family and one `auto_map` entry serves them all. A KHA model is built by the family's own `__init__`; its `post_init`
 then turns the body and the attention modules into their KHA subclasses (adding the knocks) before any weight is
 initialised, so family specifics of `__init__` (logit scales, MoE attributes, ...) are never copied by hand.
 
@@ -32,7 +33,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 
-from .configuration_kha import KHAConfig
+from .configuration_kha import TASK_HEADS, KHAConfig, family_heads
 from .derive import derive_knocked_methods, find_attention_class
 from .families import (
     SUPPORTED_BASE_MODEL_TYPES,
@@ -185,7 +186,12 @@ class KHAPreTrainedModel(PreTrainedModel):
             return cls
         if not _is_kha_config(config):
             raise TypeError(f"{cls.__name__} needs a KHAConfig, got {type(config).__name__}")
-        return family_classes(config.base_model_type)[cls._public_index]
+        return cls._class_for_family(config.base_model_type)
+
+    @classmethod
+    def _class_for_family(cls, model_type: str) -> type:
+        """This public class's subclass for the base family MODEL_TYPE."""
+        return family_classes(model_type)[cls._public_index]
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args: Any, config=None, **kwargs: Any):
@@ -208,7 +214,7 @@ class KHAPreTrainedModel(PreTrainedModel):
                         f"{', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
                     )
                 model_type = config_dict.get("base_model_type", KHAConfig.base_model_type)
-                cls = family_classes(model_type)[cls._public_index]
+                cls = cls._class_for_family(model_type)
         device_map = kwargs.get("device_map")
         disk = kwargs.get("offload_folder") or (isinstance(device_map, dict) and "disk" in device_map.values())
         if disk and not _is_kha_checkpoint(pretrained_model_name_or_path, hub_kwargs):
@@ -273,6 +279,55 @@ class KHAPreTrainedModel(PreTrainedModel):
             _apply_umask(Path(save_directory))
         return result
 
+    @classmethod
+    def from_base(
+        cls,
+        base_model: PreTrainedModel,
+        knock: str | None = "mlp_v",
+        knock_layers: list[int] | None = None,
+        **knock_types: str,
+    ) -> KHAPreTrainedModel:
+        """Upgrade an in-memory base model to KHA with identity knocks: outputs are unchanged.
+
+        Call it on the KHA class of the base model's kind: `KHAForCausalLM.from_base(llama_lm)`,
+        `KHAForSequenceClassification.from_base(reward_model)`.
+
+        The KHA model shares the base model's tensors (no copy, no extra memory beyond the knocks); deep-copy the
+        base model first if both must be trained independently.
+        """
+        config = KHAConfig.from_base(base_model.config, knock=knock, knock_layers=knock_layers, **knock_types)
+        config._attn_implementation = base_model.config._attn_implementation
+        concrete = cls._concrete_class(config)
+        with torch.device("meta"):
+            model = concrete(config)
+        missing, unexpected = model.load_state_dict(base_model.state_dict(), strict=False, assign=True)
+        if unexpected:
+            raise ValueError(f"base model has tensors a KHA model lacks: {unexpected[:5]}")
+        not_knocks = [k for k in missing if "_knock." not in k]
+        if not_knocks:
+            raise ValueError(f"base model lacks tensors: {not_knocks[:5]}")
+        base_buffers = dict(base_model.named_buffers())
+        device = next(base_model.parameters()).device
+        dtype = base_model.dtype
+        for module_name, module in model.named_modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):  # non-persistent (rotary) buffers
+                if buffer.is_meta:
+                    key = f"{module_name}.{name}" if module_name else name
+                    module.register_buffer(name, base_buffers[key], persistent=False)
+            if isinstance(module, KnockLinear):
+                module.to_empty(device=device).to(dtype)
+                module.reset_parameters()
+        model.tie_weights()
+        # Everything is in place (base tensors, identity knocks): mark it initialised as transformers' loading does,
+        # so a later `init_weights()` leaves the base weights alone instead of re-randomising them.
+        for module in model.modules():
+            module._is_hf_initialized = True
+            for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                tensor._is_hf_initialized = True
+        if getattr(base_model, "generation_config", None) is not None:
+            model.generation_config = base_model.generation_config
+        return model.eval() if not base_model.training else model
+
     def _init_weights(self, module: nn.Module) -> None:
         # Knocks first: the base families would give these nn.Linear subclasses a random normal init.
         if isinstance(module, KnockLinear):
@@ -336,50 +391,53 @@ class KHAForCausalLM(KHAPreTrainedModel, GenerationMixin):
             self.model._knock_attention()
         super().post_init()
 
-    @classmethod
-    def from_base(
-        cls,
-        base_model: PreTrainedModel,
-        knock: str | None = "mlp_v",
-        knock_layers: list[int] | None = None,
-        **knock_types: str,
-    ) -> KHAForCausalLM:
-        """Upgrade an in-memory base model to KHA with identity knocks: outputs are unchanged.
 
-        The KHA model shares the base model's tensors (no copy, no extra memory beyond the knocks); deep-copy the
-        base model first if both must be trained independently.
-        """
-        config = KHAConfig.from_base(base_model.config, knock=knock, knock_layers=knock_layers, **knock_types)
-        config._attn_implementation = base_model.config._attn_implementation
-        concrete = cls._concrete_class(config)
-        with torch.device("meta"):
-            model = concrete(config)
-        missing, unexpected = model.load_state_dict(base_model.state_dict(), strict=False, assign=True)
-        if unexpected:
-            raise ValueError(f"base model has tensors a KHA model lacks: {unexpected[:5]}")
-        not_knocks = [k for k in missing if "_knock." not in k]
-        if not_knocks:
-            raise ValueError(f"base model lacks tensors: {not_knocks[:5]}")
-        base_buffers = dict(base_model.named_buffers())
-        device = next(base_model.parameters()).device
-        dtype = base_model.dtype
-        for module_name, module in model.named_modules():
-            for name, buffer in list(module.named_buffers(recurse=False)):  # non-persistent (rotary) buffers
-                if buffer.is_meta:
-                    key = f"{module_name}.{name}" if module_name else name
-                    module.register_buffer(name, base_buffers[key], persistent=False)
-            if isinstance(module, KnockLinear):
-                module.to_empty(device=device).to(dtype)
-                module.reset_parameters()
-        model.tie_weights()
-        # Everything is in place (base tensors, identity knocks): mark it initialised as transformers' loading does,
-        # so a later `init_weights()` leaves the base weights alone instead of re-randomising them.
-        for module in model.modules():
-            module._is_hf_initialized = True
-            for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-                tensor._is_hf_initialized = True
-        model.generation_config = base_model.generation_config
-        return model.eval() if not base_model.training else model
+class KHAHeadModel(KHAPreTrainedModel):
+    """Shared by the task-head classes (`KHAForSequenceClassification`, ...): the family's own head class (its
+    `score` / `qa_outputs` layer, loss and pooling) over the family's KHA body. transformers' generic heads build the
+    body with `AutoModel.from_config(config)`, which gives the KHA body once KHA is registered with the Auto classes;
+    a family that builds its own body class gets it turned into the KHA body here, as `KHAForCausalLM` does."""
+
+    _body_class: type | None = None
+
+    @classmethod
+    def _class_for_family(cls, model_type: str) -> type:
+        return head_class(model_type, cls.__name__)
+
+    def __init__(self, config: KHAConfig, *args: Any, **kwargs: Any) -> None:
+        # The generic heads build the body with `AutoModel.from_config(config)`: AutoModel must know this config's
+        # class. As remote code, transformers loads configuration_kha.py once more as a module of its own (another
+        # hash), so the config's class is not the one this module imports and registered.
+        from transformers import AutoModel
+
+        bodies = [_BUILT[model_type][1] for model_type in sorted(_BUILT)]
+        AutoModel.register(type(config), (KHAModel, *bodies), exist_ok=True)
+        super().__init__(config, *args, **kwargs)
+
+    def post_init(self) -> None:
+        body = getattr(self, self.base_model_prefix)
+        if type(body) is not self._body_class:
+            _become(body, self._body_class)
+            body._knock_attention()
+        super().post_init()
+
+
+class KHAForSequenceClassification(KHAHeadModel):
+    """A sequence classifier or reward model (the family's `...ForSequenceClassification`) with KHA."""
+
+
+class KHAForTokenClassification(KHAHeadModel):
+    """A token classifier (the family's `...ForTokenClassification`) with KHA."""
+
+
+class KHAForQuestionAnswering(KHAHeadModel):
+    """An extractive question-answering model (the family's `...ForQuestionAnswering`) with KHA."""
+
+
+PUBLIC_HEADS = {
+    cls.__name__: cls for cls in (KHAForSequenceClassification, KHAForTokenClassification, KHAForQuestionAnswering)
+}
+assert set(PUBLIC_HEADS) == set(TASK_HEADS)
 
 
 # --- each family's three subclasses, built on first use ---------------------------------------------------------
@@ -448,10 +506,47 @@ def family_classes(model_type: str) -> tuple[type, type, type]:
     return attention, body, lm
 
 
+_HEADS_BUILT: dict[tuple[str, str], type] = {}  # (model_type, public head name) -> its class, built once
+
+
+def head_class(model_type: str, public: str) -> type:
+    """The KHA subclass of MODEL_TYPE's own transformers head class for the public head PUBLIC
+    (e.g. `KHAForSequenceClassification` on qwen3 -> `KHAQwen3ForSequenceClassification`)."""
+    import transformers
+
+    if (model_type, public) in _HEADS_BUILT:
+        return _HEADS_BUILT[(model_type, public)]
+    _, body, _ = family_classes(model_type)
+    family_name = family_heads(model_type).get(public)
+    if family_name is None:
+        kind = public.removeprefix("KHAFor")
+        have = ", ".join(family_heads(model_type)) or "none"
+        raise ValueError(f"transformers has no {kind} class for {model_type!r}, so KHA has none (its heads: {have})")
+    family = getattr(transformers, family_name)
+    cls = type(
+        f"KHA{family.__name__}",
+        (PUBLIC_HEADS[public], family),
+        {"_family": model_type, "_body_class": body, "__module__": __name__},
+    )
+    # the family's own values; base_model_prefix too (question answering keeps `transformer` for old checkpoints)
+    for name in (*_FAMILY_ATTRIBUTES, "_no_split_modules", "forward", "base_model_prefix"):
+        if hasattr(family, name):
+            setattr(cls, name, getattr(family, name))
+    setattr(sys.modules[__name__], cls.__name__, cls)  # importable by name: pickle
+    _HEADS_BUILT[(model_type, public)] = cls
+    _register_classes(cls.__name__, model_type)
+    return cls
+
+
 def _register_family(model_type: str, body: type, lm: type) -> None:
     # transformers converts some families' on-disk layout at load (e.g. Mixtral's per-expert w1/w2/w3 into fused
     # expert tensors) and back at save, keyed by model_type, which for KHA is "kha". Register the family's mapping
     # under our class names so KHA models read and write exactly the base family's checkpoint layout.
+    for cls in (body, lm):
+        _register_classes(cls.__name__, model_type)
+
+
+def _register_classes(class_name: str, model_type: str) -> None:
     from transformers.conversion_mapping import (
         get_checkpoint_conversion_mapping,
         register_checkpoint_conversion_mapping,
@@ -459,8 +554,7 @@ def _register_family(model_type: str, body: type, lm: type) -> None:
 
     mapping = get_checkpoint_conversion_mapping(model_type)
     if mapping:
-        for cls in (body, lm):
-            register_checkpoint_conversion_mapping(cls.__name__, mapping, overwrite=True)
+        register_checkpoint_conversion_mapping(class_name, mapping, overwrite=True)
     if _AUTO_REGISTRATION:
         register_auto_classes(_AUTO_REGISTRATION[0])
 
@@ -495,6 +589,14 @@ def _advertise_family_attributes() -> None:
                 setattr(public, name, values[0])
         public._no_split_modules = sorted({layer for family in families for layer in family._no_split_modules})
         public.forward = families[0].forward  # the signature every family shares (MoE families add router outputs)
+    for public in PUBLIC_HEADS.values():
+        families = [_transformers_class(TASK_HEADS[public.__name__][1], model_type) for model_type in _CORE_FAMILIES]
+        for name in (*_FAMILY_ATTRIBUTES, "base_model_prefix"):
+            values = [getattr(family, name) for family in families]
+            if all(value == values[0] for value in values):
+                setattr(public, name, values[0])
+        public._no_split_modules = sorted({layer for family in families for layer in family._no_split_modules})
+        public.forward = families[0].forward
 
 
 _advertise_family_attributes()
@@ -504,9 +606,13 @@ def register_auto_classes(config_class: type) -> None:
     """Register KHA with transformers' Auto classes under CONFIG_CLASS: the public classes first (what
     `AutoModelForCausalLM` builds), then each family's classes built so far (and later ones as they are built), so
     that pipelines, which look an instance's class name up in the Auto mapping, recognise `KHAQwen3ForCausalLM`."""
+    import transformers
     from transformers import AutoModel, AutoModelForCausalLM
 
     _AUTO_REGISTRATION[:] = [config_class]
     built = [_BUILT[model_type] for model_type in sorted(_BUILT)]
     for auto, public, index in ((AutoModel, KHAModel, 1), (AutoModelForCausalLM, KHAForCausalLM, 2)):
         auto.register(config_class, (public, *(classes[index] for classes in built)), exist_ok=True)
+    for name, public in PUBLIC_HEADS.items():
+        heads = [_HEADS_BUILT[key] for key in sorted(_HEADS_BUILT) if key[1] == name]
+        getattr(transformers, TASK_HEADS[name][0]).register(config_class, (public, *heads), exist_ok=True)

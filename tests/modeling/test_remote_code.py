@@ -33,6 +33,10 @@ def test_save_writes_auto_map_and_self_contained_code(tmp_path):
         "AutoConfig": "configuration_kha.KHAConfig",
         "AutoModel": "modeling_kha.KHAModel",
         "AutoModelForCausalLM": "modeling_kha.KHAForCausalLM",
+        # the task heads Qwen3 has in transformers (tests/modeling/test_task_heads.py)
+        "AutoModelForSequenceClassification": "modeling_kha.KHAForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_kha.KHAForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_kha.KHAForQuestionAnswering",
     }
     assert config["architectures"] == ["KHAForCausalLM"]
     assert config["base_model_type"] == "qwen3" and config["knock_v"] == "mlp"

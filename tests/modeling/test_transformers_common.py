@@ -1,4 +1,5 @@
-"""transformers' own `ModelTesterMixin` run on KHA models of every supported family with perturbed knocks.
+"""transformers' own `ModelTesterMixin` run on KHA models of every supported family with perturbed knocks: the body,
+the causal LM and the task heads the family has (sequence / token classification, question answering).
 
 The mixin comes from the sdist of the installed transformers (see `upstream_common.py`). It is what every model in
 transformers must pass: save/load round trips, missing-key initialisation, SDPA vs eager, the KV cache, training
@@ -26,9 +27,17 @@ from transformers import initialization as init
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from kha_hf import KHAConfig, KHAForCausalLM, KHAModel
+from kha_hf import (
+    KHAConfig,
+    KHAForCausalLM,
+    KHAForQuestionAnswering,
+    KHAForSequenceClassification,
+    KHAForTokenClassification,
+    KHAModel,
+)
+from kha_hf.modeling.configuration_kha import TASK_HEADS, _public_class_name, family_heads
 from kha_hf.modeling.knocks import KnockLinear
-from kha_hf.modeling.modeling_kha import KHAPreTrainedModel, family_classes
+from kha_hf.modeling.modeling_kha import KHAPreTrainedModel, family_classes, head_class
 from tests.helpers import MLA_FAMILIES, OTHER_FAMILIES
 from tests.modeling.upstream_common import load_modeling_common
 
@@ -84,8 +93,21 @@ class KHAModelTester:
         return self.get_config(), {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+def family_test_classes(model_type: str) -> tuple[type, ...]:
+    """A family's own KHA classes: body, causal LM and the task heads its transformers code has."""
+    heads = tuple(head_class(model_type, head) for head in family_heads(model_type))
+    return (*family_classes(model_type)[1:], *heads)
+
+
 class _KHACommonTests(common.ModelTesterMixin):
-    all_model_classes = (KHAModel, KHAForCausalLM)
+    # the public classes (they pick the family from the config), task heads included
+    all_model_classes = (
+        KHAModel,
+        KHAForCausalLM,
+        KHAForSequenceClassification,
+        KHAForTokenClassification,
+        KHAForQuestionAnswering,
+    )
     base_config: type = LlamaConfig
     family_fields: dict = {}
     # The mixin runs this test only for models whose config file carries a copyright year >= 2023; ours has none.
@@ -97,12 +119,15 @@ class _KHACommonTests(common.ModelTesterMixin):
         # The mixin finds base models and LM heads by name in transformers' static tables (labels, training, RoPE
         # and shift_labels tests), which list only transformers' own models; registration puts KHA in the Auto
         # mappings' runtime part instead. List it in the tables for the duration of each test.
-        body, lm = self.all_model_classes
+        body, lm, *heads = self.all_model_classes
         patchers = [
             mock.patch.object(KHAPreTrainedModel, "_init_weights", _perturbed_init),
             mock.patch.dict(modeling_auto.MODEL_MAPPING_NAMES, {KHAConfig.model_type: body.__name__}),
             mock.patch.dict(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, {KHAConfig.model_type: lm.__name__}),
         ]
+        for head in heads:  # the task heads (test_task_heads.py), found by the mixin in the same tables
+            mapping = getattr(modeling_auto, TASK_HEADS[_public_class_name(head.__name__)][1])
+            patchers.append(mock.patch.dict(mapping, {KHAConfig.model_type: head.__name__}))
         for patcher in patchers:
             patcher.start()
             self.addCleanup(patcher.stop)
@@ -158,14 +183,14 @@ class KHAQwen2CommonTest(_KHACommonTests, unittest.TestCase):
 class KHAQwen3MoeCommonTest(_KHACommonTests, unittest.TestCase):
     # The family's own KHA classes (what `KHAForCausalLM(config)` builds): the mixin asks the class, before building
     # a model, whether its experts can use grouped_mm, and only the concrete class knows its family.
-    all_model_classes = family_classes("qwen3_moe")[1:]
+    all_model_classes = family_test_classes("qwen3_moe")
     base_config = Qwen3MoeConfig
     # 16, not 12: torch._grouped_mm (the default experts kernel) needs 16-byte strides in bf16/fp16, stock too
     family_fields = {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
 
 
 class KHAMixtralCommonTest(_KHACommonTests, unittest.TestCase):
-    all_model_classes = family_classes("mixtral")[1:]
+    all_model_classes = family_test_classes("mixtral")
     base_config = MixtralConfig
     # head_dim given: with MixtralConfig's default None, dynamic and YaRN RoPE fail in stock Mixtral too
     # (transformers 5.24, rope init reads `config.head_dim`).
@@ -182,7 +207,7 @@ def _other_family_test(model_type: str) -> type:
     fields = {k: v[:2] if k in ("layer_types", "no_rope_layers") else v for k, v in OTHER_FAMILIES[model_type].items()}
     fields.update(MIXIN_FIELDS.get(model_type, {}))
     attributes = {
-        "all_model_classes": family_classes(model_type)[1:],
+        "all_model_classes": family_test_classes(model_type),
         "base_config": CONFIG_MAPPING[model_type],
         "family_fields": fields,
         "__module__": __name__,

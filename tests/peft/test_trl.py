@@ -1,6 +1,7 @@
 """TRL's trainers with knock adapters (#29), a few steps each on a tiny Llama with a real (tiny) tokenizer: SFT,
 DPO (its reference model is the adapter switched off), reward modelling on a sequence-classification head, GRPO
-without vLLM, and SFT of a KHA model whose knocks alone train. Each asserts that only the intended parameters
+without vLLM, SFT of a KHA model whose knocks alone train, and reward modelling on a KHA reward model
+(`KHAForSequenceClassification`). Each asserts that only the intended parameters
 changed, the losses are finite, and the saved result reloads with identical logits."""
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ def _check_reload(trainer, base_folder, tmp_path, auto_class) -> None:
         assert_close(reloaded(input_ids=IDS).logits, expected, what="reloaded adapter")
 
 
+def _reward_trainer(model, tokenizer, tmp_path, **extra):
+    data = datasets.Dataset.from_dict({"chosen": ["the quick brown fox"] * 4, "rejected": ["the lazy dog"] * 4})
+    args = _args(trl.RewardConfig, tmp_path, max_length=32)
+    return trl.RewardTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, **extra)
+
+
 def test_sft_trains_only_the_knock_adapter(base, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -148,13 +155,8 @@ def test_reward_trainer_on_a_classification_head_with_a_knock_adapter(base, tmp_
     tokenizer = _tokenizer(base)
     model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
-    data = datasets.Dataset.from_dict({"chosen": ["the quick brown fox"] * 4, "rejected": ["the lazy dog"] * 4})
-    trainer = trl.RewardTrainer(
-        model=model,
-        args=_args(trl.RewardConfig, tmp_path, max_length=32),
-        train_dataset=data,
-        processing_class=tokenizer,
-        peft_config=KnockConfig(knock="linear_qkv", task_type="SEQ_CLS"),
+    trainer = _reward_trainer(
+        model, tokenizer, tmp_path, peft_config=KnockConfig(knock="linear_qkv", task_type="SEQ_CLS")
     )
     before = _snapshot(trainer.model)
     trainer.train()
@@ -171,6 +173,32 @@ def test_reward_trainer_on_a_classification_head_with_a_knock_adapter(base, tmp_
     with torch.no_grad():
         reloaded = PeftModel.from_pretrained(stock, tmp_path / "adapter").eval()
         assert_close(reloaded(input_ids=IDS).logits, expected, what="reloaded reward model")
+
+
+def test_reward_trainer_on_a_kha_reward_model_trains_its_knocks_and_score(base, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from kha_hf import KHAForSequenceClassification
+
+    tokenizer = _tokenizer(base)
+    # a KHA reward model from the causal LM's checkpoint: identity knocks, a new score head (as stock does)
+    model = KHAForSequenceClassification.from_pretrained(base, knock="mlp_v", num_labels=1)
+    assert type(model).__name__ == "KHALlamaForSequenceClassification"
+    model.config.pad_token_id = tokenizer.pad_token_id
+    for name, param in model.named_parameters():
+        param.requires_grad_("_knock." in name or name.startswith("score."))
+    trainer = _reward_trainer(model, tokenizer, tmp_path)
+    before = _snapshot(model)
+    trainer.train()
+    changed = _changed(model, before)
+    assert any("_knock." in n for n in changed) and "score.weight" in changed, sorted(changed)
+    assert all("_knock." in n or n == "score.weight" for n in changed), sorted(changed)
+    _check_losses(trainer)
+    model.eval().save_pretrained(tmp_path / "reward")
+    with torch.no_grad():
+        reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "reward").eval()
+        assert type(reloaded) is type(model)
+        assert_close(reloaded(IDS).logits, model(IDS).logits, what="reloaded KHA reward model")
 
 
 def test_grpo_without_vllm_trains_the_knock_adapter(base, tmp_path, monkeypatch):
