@@ -1,10 +1,10 @@
 """Every family of the table (kha_hf/modeling/families.py), each a tiny random model with its peculiarity on.
 
 Per family: identity knocks are bit-exact to the stock transformers model; random knocks equal an independent
-reference (forward hooks on the stock model's projections that apply the knock math by hand, per head and segment,
-from the layout); linear knocks folded by `kha fold` equal the KHA model in stock transformers; PEFT LoRA on the
-projections merges exactly; cached decoding equals a full forward. The remote-code load without kha_hf is checked
-for all families in one fresh process.
+reference (forward hooks on the stock model's projections that apply the knock math by hand, per head and segment, at
+the rows `expected_layouts.py` writes out from the family's own code, not from the table under test); linear knocks
+folded by `kha fold` equal the KHA model in stock transformers; PEFT LoRA on the projections merges exactly; cached
+decoding equals a full forward. The remote-code load without kha_hf is checked for all families in one fresh process.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from kha_hf import KHAForCausalLM
-from kha_hf.modeling.families import FAMILIES, STANDARD, config_size
+from kha_hf.modeling.families import FAMILIES
 from tests.helpers import ALL_FAMILIES, MLA_FAMILIES, assert_close, randomize_knocks, run_python, tiny_base_model
+from tests.modeling.expected_layouts import expected_rows
 
 IDS = torch.tensor([[3, 9, 27, 81, 5, 15, 45, 7, 21], [4, 8, 16, 32, 64, 1, 2, 11, 13]])
 
@@ -56,22 +57,18 @@ def _reference_knock(knock, x):
     return x @ knock.weight.T
 
 
-def _knock_hook(config, blocks, knocks):
-    """A forward hook for one projection of the STOCK model: every head's q/k/v segment goes through its knock,
-    found by walking the layout's blocks, heads and segments one by one."""
+def _knock_hook(rows, knocks):
+    """A forward hook for one projection of the STOCK model: each head's q/k/v features, at the rows that
+    `expected_layouts.py` writes out from the family's own code (not from the table under test), go through the
+    knock of their target."""
 
     def hook(module, inputs, output):
         out = output.clone()
-        offset = 0
-        for block in blocks:
-            for _ in range(config_size(config, block.heads)):
-                for segment in block.segments:
-                    size = config_size(config, segment.size)
-                    knock = knocks.get(segment.target)
-                    if knock is not None:
-                        out[..., offset : offset + size] = _reference_knock(knock, output[..., offset : offset + size])
-                    offset += size
-        assert offset == output.shape[-1]
+        for target, spans in rows.items():
+            knock = knocks.get(target)
+            if knock is not None:
+                for start, stop in spans:
+                    out[..., start:stop] = _reference_knock(knock, output[..., start:stop])
         return out
 
     return hook
@@ -80,7 +77,7 @@ def _knock_hook(config, blocks, knocks):
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_random_knocks_equal_a_reference_that_knocks_the_stock_projections_by_hand(family):
     base = tiny_base_model(family, "eager")
-    layout = FAMILIES.get(base.config.model_type).layout if family != "llama_bias" else STANDARD
+    placement = expected_rows(base.config.model_type, base.config)
     for preset in presets(family):
         stock = copy.deepcopy(base)
         kha = KHAForCausalLM.from_base(copy.deepcopy(base), knock=preset)
@@ -90,10 +87,10 @@ def test_random_knocks_equal_a_reference_that_knocks_the_stock_projections_by_ha
             attention = kha.model.layers[layer_idx].self_attn
             knocks = {t: getattr(attention, f"{t}_knock") for t in "qkv"}
             stock_attention = stock.model.layers[layer_idx].self_attn
-            for projection, blocks in layout.items():
+            for projection, rows in placement.items():
                 module = getattr(stock_attention, projection, None)
                 if module is not None:
-                    handles.append(module.register_forward_hook(_knock_hook(kha.config, blocks, knocks)))
+                    handles.append(module.register_forward_hook(_knock_hook(rows, knocks)))
         assert handles
         with torch.no_grad():
             expected = stock(IDS).logits
