@@ -17,7 +17,7 @@ ALLOWED = {
     "modeling": {"modeling"},
     "common": {"common", "modeling"},
     "conversion": {"conversion", "common", "modeling"},
-    "eval": {"eval", "common", "modeling"},
+    "eval": {"eval", "common", "modeling", "peft"},  # a knock adapter as the candidate (kha eval --adapter)
     "training": {"training", "common", "modeling"},
     "serving": {"serving", "common", "modeling"},
     "peft": {"peft", "common", "modeling", "conversion"},  # adapters <-> KHA checkpoints (adapter_files.py)

@@ -9,6 +9,7 @@ RECOMPUTE_IGNORES: dict = dict.fromkeys(
     [
         "baseline",
         "candidate",
+        "adapter",
         "tasks",
         "suite",
         "limit",
@@ -42,11 +43,17 @@ def add_parser(sub) -> None:
         "  kha eval --baseline Qwen/Qwen3-0.6B --candidate ./qwen3-kha-trained --suite paper\n"
         "  kha eval --baseline ./smollm2.gguf --candidate ./smollm2-kha --suite quick --limit 100 --local-data\n"
         "  kha eval --candidate ./smollm2-kha --tasks arc_easy hellaswag --perplexity notes.txt\n"
+        "  kha eval --baseline HuggingFaceTB/SmolLM2-135M --adapter ./knock-adapter --suite quick\n"
         "  kha eval --recompute ./kha-eval              # every p again, from per_document.jsonl",
         formatter_class=HelpFormatter,
     )
     p.add_argument("--baseline", help="baseline model: folder, Hub id or .gguf file")
     p.add_argument("--candidate", help="candidate (KHA) model: folder, Hub id or .gguf file (required)")
+    p.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="a knock adapter (PEFT folder) of --baseline: the candidate is the baseline with it (no --candidate)",
+    )
     p.add_argument(
         "--recompute", metavar="DIR", help="recompute every paired statistic of an earlier `kha eval` output DIR"
     )
@@ -81,8 +88,8 @@ def run(args) -> int:
             options = ", ".join("--" + dest.replace("_", "-") for dest in given)
             raise KHAError(f"--recompute DIR reads DIR alone; it cannot be combined with {options}")
         return _recompute(args.recompute)
-    if not args.candidate:
-        raise KHAError("--candidate is required (or --recompute DIR)")
+    if not args.candidate and not args.adapter:
+        raise KHAError("--candidate is required (or --baseline with --adapter, or --recompute DIR)")
     from ..eval import run_eval
 
     run_eval(
@@ -101,6 +108,7 @@ def run(args) -> int:
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,
         overwrite=args.overwrite,
+        adapter=args.adapter,
     )
     return 0
 

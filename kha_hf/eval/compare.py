@@ -102,8 +102,10 @@ def evaluate_model(
     perplexity_metric=None,
     task_manager=None,
     trust_remote_code: bool = False,
+    adapter: str | None = None,
 ) -> ModelResult:
-    """Load REF and run lm-eval on it; pass one `task_manager` to several calls to index lm-eval's tasks once."""
+    """Load REF (with the knock ADAPTER folder on it, when given) and run lm-eval on it; pass one `task_manager` to
+    several calls to index lm-eval's tasks once."""
     task_manager = task_manager or new_task_manager()
     prepared = lm_eval_tasks(tasks, local, task_manager)  # before loading: bad names fail fast
     # code inside REF runs only with trust_remote_code
@@ -114,9 +116,13 @@ def evaluate_model(
         trust_remote_code=trust_remote_code,
         offer_tokenizer=False,  # no --tokenizer
     )
+    if adapter is not None:
+        from ..peft.adapter_files import apply_knock_adapter
+
+        model = apply_knock_adapter(model, adapter)
     result = evaluate_loaded(
         label,
-        str(ref),
+        f"{ref} + adapter {adapter}" if adapter else str(ref),
         model,
         tokenizer,
         tasks,
@@ -210,7 +216,7 @@ def check_eval_inputs(refs: list[str], limit: int | None, device: str, perplexit
 
 
 def run_eval(
-    candidate: str,
+    candidate: str | None,
     baseline: str | None = None,
     tasks: list[str] | None = None,
     suite: str | None = None,
@@ -225,14 +231,27 @@ def run_eval(
     seed: int = 1234,
     trust_remote_code: bool = False,
     overwrite: bool = False,
+    adapter: str | None = None,
 ) -> dict:
     """Evaluate CANDIDATE (and BASELINE) with identical settings; write table.md, summary.json, the per-document
-    scores and the raw results to OUTPUT, which appears when complete (an existing one only with `overwrite`)."""
+    scores and the raw results to OUTPUT, which appears when complete (an existing one only with `overwrite`).
+
+    ADAPTER: a knock adapter folder (PEFT) of BASELINE; the candidate is then BASELINE with the adapter (CANDIDATE
+    must be None), so the comparison is base vs base + adapter, paired per document."""
+    if adapter is not None:
+        if candidate is not None or baseline is None:
+            raise KHAError("--adapter: the candidate is --baseline plus the adapter; give --baseline, not --candidate")
+    elif candidate is None:
+        raise KHAError("--candidate is required (or --baseline with --adapter)")
     task_names = resolve_tasks(tasks, suite)
     check_eval_inputs([r for r in (baseline, candidate) if r], limit, device, perplexity_file)
     final = check_run_destination(
-        output, [baseline, candidate], [perplexity_file] if perplexity_file else [], overwrite
+        output, [baseline, candidate, adapter], [perplexity_file] if perplexity_file else [], overwrite
     )
+    if adapter is not None:
+        from ..peft.adapter_files import read_knock_adapter
+
+        read_knock_adapter(adapter)  # a bad adapter fails now, not after the baseline's evaluation
     if local_data is None:
         local_data = not hub_reachable()
         if local_data:
@@ -266,12 +285,16 @@ def run_eval(
         metric = load_evaluate_metric([r for r in (baseline, candidate) if r])
     shared = dict(perplexity_metric=metric, task_manager=new_task_manager(), trust_remote_code=trust_remote_code)
     base_result = evaluate_model("baseline", baseline, **settings, **shared) if baseline else None
-    cand_result = evaluate_model("candidate", candidate, **settings, **shared)
+    if adapter is None:
+        cand_result = evaluate_model("candidate", candidate, **settings, **shared)
+    else:
+        cand_result = evaluate_model("candidate", baseline, **settings, **shared, adapter=adapter)
     rows = comparison_rows(base_result, cand_result)
     table = markdown_table(rows, base_result, cand_result)
     summary = {
         "baseline": baseline,
-        "candidate": candidate,
+        "candidate": candidate if adapter is None else f"{baseline} + adapter {adapter}",
+        "adapter": adapter,
         "settings": dict(settings),
         "local_data_notes": local_notes,
         "rows": rows,

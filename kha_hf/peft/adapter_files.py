@@ -137,3 +137,21 @@ def write_knock_adapter(
     with atomic_output_dir(out, overwrite=overwrite, marker="adapter") as tmp:
         adapter.save_pretrained(tmp)
     return out, count
+
+
+def apply_knock_adapter(model, folder: str | Path):
+    """MODEL (a stock causal LM in eval mode) with the knock adapter in FOLDER, for evaluation: a `PeftModel`.
+
+    The folder is checked as `read_knock_adapter` checks it (a KNOCK config, safetensors knocks only, finite, no link
+    out of it) before PEFT reads it; an adapter of another family or size fails in one line."""
+    from peft import PeftModel
+
+    adapter = read_knock_adapter(folder)
+    model_type = getattr(model.config, "model_type", None)
+    if adapter.base_model_type is not None and adapter.base_model_type != model_type:
+        raise KHAError(f"the adapter {folder} was trained on a {adapter.base_model_type} model; this is {model_type!r}")
+    try:
+        return PeftModel.from_pretrained(model, adapter.folder, is_trainable=False).eval()
+    except (RuntimeError, ValueError, KeyError) as err:  # size mismatch, layers the model lacks
+        reason = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
+        raise KHAError(f"the adapter {folder} does not fit this model (one of another model?): {reason}") from err

@@ -23,7 +23,7 @@ from tests.helpers import assert_close, save_tiny_checkpoint
 IDS = torch.tensor([[3, 9, 27, 81, 5, 15, 45, 7, 21]])
 
 
-def trained_adapter(base, out, knock="mlp_v", knock_layers=None, seed=3, **extra):
+def trained_adapter(base, out, knock="mlp_v", knock_layers=None, seed=3, scale=0.1, **extra):
     """A knock adapter of BASE with every knock moved off the identity, saved to OUT; its logits on IDS."""
     model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(base), KnockConfig(knock=knock, knock_layers=knock_layers, **extra)
@@ -32,7 +32,7 @@ def trained_adapter(base, out, knock="mlp_v", knock_layers=None, seed=3, **extra
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".knock_sets." in name:
-                param.add_(0.1 * torch.randn(param.shape, generator=gen))
+                param.add_(scale * torch.randn(param.shape, generator=gen))
     model.eval().save_pretrained(out)
     with torch.no_grad():
         return model(IDS).logits
