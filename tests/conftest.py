@@ -15,6 +15,15 @@ _INDUCTOR_CACHE: str | None = None  # the session's own torch compile cache, if 
 
 
 def pytest_configure(config):
+    # Under pytest-xdist (README: `-n 2`) the workers share the machine's cores: torch's default of one thread per
+    # core in every worker would put several threads on each core. Each worker gets its share instead, and so do the
+    # processes its tests start (OMP_NUM_THREADS, which torch reads at start): a float32 result compared bit for bit
+    # across processes (remote code in a fresh interpreter) depends on the number of threads that summed it.
+    if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     # Marks used by transformers' own test_modeling_common.py (tests/modeling/upstream_common.py loads it).
     for mark in ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test", "torch_compile_test"):
         config.addinivalue_line("markers", f"{mark}: a mark of transformers' own tests")
