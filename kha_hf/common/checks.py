@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..modeling.configuration_kha import KHAConfig, base_config_class
+from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, base_config_class
 from ..modeling.families import FAMILIES, family_spec, projection_features
 from .errors import KHAError
 from .loading import read_config_dict
@@ -199,6 +199,8 @@ def check_checkpoint_against_config(folder: Path) -> None:
     tensors = read_checkpoint_index(folder)
     check_weights_match_config(config, tensors, where)
     is_kha = config.get("model_type") == "kha"
+    head = next((name for name in architectures_of(config, where) if name.endswith(_HEAD_SUFFIXES)), None)
+    check_head_weights(config, _kha_head_name(head) if head else "KHAForCausalLM", tensors, where)
     model_type = config.get("base_model_type") if is_kha else config.get("model_type")
     if model_type not in FAMILIES:
         return  # another architecture: transformers (or its remote code) checks its own
@@ -208,3 +210,92 @@ def check_checkpoint_against_config(folder: Path) -> None:
     except Exception as err:  # the family's config class rejects what it cannot use, in its own words
         raise KHAError(f"{where}: {str(err).strip().splitlines()[0]}") from err
     check_attention_layout(built, tensors, where)
+
+
+# The tensors of transformers' task heads (GenericForSequenceClassification / ...ForTokenClassification: `score`,
+# ...ForQuestionAnswering: `qa_outputs`), all at the top level of a checkpoint.
+HEAD_TENSORS = ("score.weight", "qa_outputs.weight")
+_HEAD_SUFFIXES = tuple(name.removeprefix("KHA") for name in TASK_HEADS)  # ForSequenceClassification, ...
+
+
+def architectures_of(config: dict, where: str) -> list[str]:
+    """CONFIG's `architectures`: a list of class names ([] when unset); one-line KHAError for anything else (a bare
+    string would otherwise be read letter by letter)."""
+    value = config.get("architectures")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise KHAError(f"{where}: architectures must be a list of class names, got {str(value)[:80]!r}")
+    return value
+
+
+def task_head(folder: Path) -> str | None:
+    """What makes FOLDER's checkpoint a task head rather than a language model: the head architecture its config
+    names (`Qwen3ForSequenceClassification`, `KHAForTokenClassification`, ...), or, when the config names none, a
+    head tensor in its weights (`score.weight`); None for a causal LM."""
+    config = read_config_dict(folder) or {}
+    named = next((n for n in architectures_of(config, str(folder / "config.json")) if n.endswith(_HEAD_SUFFIXES)), None)
+    if named is not None:
+        return named
+    if (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file():
+        tensors = read_checkpoint_index(folder)
+        found = next((name for name in HEAD_TENSORS if name in tensors), None)
+        if found is not None and "lm_head.weight" not in tensors:
+            return f"task-head checkpoint (its weights hold {found} and no lm_head)"
+    return None
+
+
+def check_not_task_head(folder: Path) -> None:
+    """A reward model or classifier loaded as a causal LM would get a new, random LM head: refuse in one line."""
+    head = task_head(folder)
+    if head is not None:
+        raise KHAError(
+            f"{folder} is a {head}, not a language model: this command needs a causal LM; load it with its own Auto "
+            "class (e.g. AutoModelForSequenceClassification)"
+        )
+
+
+def _kha_head_name(architecture: str) -> str:
+    """`Qwen3ForSequenceClassification` or `KHAForSequenceClassification` -> `KHAForSequenceClassification`."""
+    return next("KHA" + suffix for suffix in _HEAD_SUFFIXES if architecture.endswith(suffix))
+
+
+def num_labels(config: dict) -> int:
+    """The label count a head config gives (`id2label` when present, as transformers reads it; default 2)."""
+    labels = config.get("id2label")
+    if isinstance(labels, dict) and labels:
+        return len(labels)
+    count = config.get("num_labels", 2)
+    return count if isinstance(count, int) else 2
+
+
+def check_head_weights(config: dict, kha_class: str, tensors: dict[str, TensorInfo], where: str) -> None:
+    """The weights hold the head KHA_CLASS needs, in the shape CONFIG gives, and a causal LM holds no head: a head
+    missing from the weights would load newly initialised (a random reward model), without a word."""
+    if kha_class not in TASK_HEADS:
+        head = next((name for name in HEAD_TENSORS if name in tensors), None)
+        if head is not None and "lm_head.weight" not in tensors:
+            raise KHAError(
+                f"{where}: the weights hold a task head ({head}) and no lm_head, but architectures names a causal "
+                "LM: name the head class in architectures (e.g. Qwen3ForSequenceClassification)"
+            )
+        return
+    hidden = config.get("hidden_size")
+    if kha_class == "KHAForQuestionAnswering":
+        needed = {"qa_outputs.weight": (2, hidden), "qa_outputs.bias": (2,)}
+    else:
+        labels = num_labels(config)
+        needed = {"score.weight": (labels, hidden)}
+        if kha_class == "KHAForTokenClassification" and config.get("token_classification_bias", True):
+            needed["score.bias"] = (labels,)
+    for name, shape in needed.items():
+        info = tensors.get(name)
+        if info is None:
+            raise KHAError(f"{where} names a {kha_class.removeprefix('KHAFor')} head, but the weights lack {name}")
+        if tuple(info.shape) != shape:
+            raise KHAError(
+                f"{where}: {name} has shape {list(info.shape)}; the config gives {list(shape)} "
+                "(num_labels / id2label and hidden_size)"
+            )
+        if not info.dtype.is_floating_point:
+            raise KHAError(f"{where}: {name} is stored as {info.dtype}, not a floating-point tensor")

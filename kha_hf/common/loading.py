@@ -251,26 +251,6 @@ def load_tokenizer(
         ) from err
 
 
-def task_head(folder: Path) -> str | None:
-    """The task-head architecture (`Qwen3ForSequenceClassification`, `KHAForTokenClassification`, ...) a checkpoint
-    folder's config.json names, or None for a causal LM."""
-    from ..modeling.configuration_kha import TASK_HEADS
-
-    suffixes = tuple(name.removeprefix("KHA") for name in TASK_HEADS)
-    names = (read_config_dict(folder) or {}).get("architectures") or []
-    return next((name for name in names if isinstance(name, str) and name.endswith(suffixes)), None)
-
-
-def check_not_task_head(folder: Path) -> None:
-    """A reward model or classifier loaded as a causal LM would get a new, random LM head: refuse in one line."""
-    head = task_head(folder)
-    if head is not None:
-        raise KHAError(
-            f"{folder} is a {head} (a task head, not a language model): this command needs a causal LM; "
-            "load it with its own Auto class (e.g. AutoModelForSequenceClassification)"
-        )
-
-
 def load_causal_lm(
     ref: str | Path,
     dtype: str = "float32",
@@ -284,7 +264,7 @@ def load_causal_lm(
     OFFER_TOKENIZER: the command has a --tokenizer option (errors may advise it)."""
     from transformers import AutoModelForCausalLM
 
-    from .checks import check_checkpoint_against_config
+    from .checks import check_checkpoint_against_config, check_not_task_head
 
     check_model_ref(ref)
     check_device(device)

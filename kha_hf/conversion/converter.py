@@ -20,7 +20,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..common.checks import check_attention_layout, check_config_numbers, check_weights_match_config
+from ..common.checks import (
+    architectures_of,
+    check_attention_layout,
+    check_config_numbers,
+    check_head_weights,
+    check_weights_match_config,
+)
 from ..common.errors import KHAError
 from ..common.model_card import SourceCard, kha_card, read_source_card
 from ..common.model_code import copy_model_code
@@ -169,8 +175,8 @@ def check_base_config(base_config: dict, folder: Path) -> None:
         base_config_class(model_type)
     except ValueError as err:
         raise KHAError(f"{folder}: {err}") from err
-    try:
-        kha_architecture(base_config.get("architectures"), model_type)  # a head KHA lacks is refused, not dropped
+    try:  # a head KHA lacks is refused, not dropped
+        kha_architecture(architectures_of(base_config, str(folder / "config.json")), model_type)
     except ValueError as err:
         raise KHAError(f"{folder}: {err}") from err
     missing = [name for name in REQUIRED_FIELDS if name not in base_config]
@@ -185,6 +191,10 @@ def check_layout(config: KHAConfig, base_config: dict, tensors: dict[str, Tensor
     where = str(folder / "config.json")
     check_weights_match_config(base_config, tensors, where)
     check_attention_layout(config, tensors, where)
+    # the head the KHA checkpoint will name is in the weights, in the config's shape (a causal LM holds none)
+    check_head_weights(
+        base_config, kha_architecture(base_config.get("architectures"), config.base_model_type), tensors, where
+    )
     if not family_spec(config.base_model_type).verified:
         from ..modeling.modeling_kha import family_classes
 

@@ -21,7 +21,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from ..common.checks import architectures_of, check_head_weights
 from ..common.errors import KHAError
+from ..common.loading import read_config_dict
 from ..common.model_card import kha_card, read_source_card
 from ..common.model_code import copy_model_code
 from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
@@ -116,8 +118,12 @@ def fold(
             )
         if not linear:
             raise KHAError("nothing to fold: this model has no linear knocks (only the value MLP)")
-    kind = next((name for name in config.architectures or [] if name in TASK_HEADS), "KHAForCausalLM")
+    raw, where = read_config_dict(kha_dir) or {}, str(kha_dir / "config.json")
+    kind = next((name for name in architectures_of(raw, where) if name in TASK_HEADS), "KHAForCausalLM")
+    if kind != "KHAForCausalLM" and kind not in family_heads(config.base_model_type):
+        raise KHAError(f"{kha_dir}: {config.base_model_type} has no {kind.removeprefix('KHAFor')} head in transformers")
     tensors = read_checkpoint_index(kha_dir)
+    check_head_weights(raw, kind, tensors, where)  # the head is written out as it is: it must be the one named
     plan, folded_knocks = checked_fold_plan(kha_dir, config, tensors, linear)
     dropped = set(folded_knocks)
 

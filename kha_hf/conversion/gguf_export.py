@@ -32,12 +32,11 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ..common.checks import check_attention_layout, check_weights_match_config
+from ..common.checks import check_attention_layout, check_weights_match_config, task_head
 from ..common.errors import KHAError
 from ..common.output import atomic_output_file
 from ..common.paths import check_file_destination, check_free_space, check_place, check_source_links
 from ..common.safetensors_index import read_checkpoint_index
-from ..modeling.configuration_kha import TASK_HEADS
 from .fold import checked_fold_plan, fold_projection
 from .gguf_pretokenizers import KNOWN_PRE_TYPES
 from .knock_reader import read_kha_config
@@ -118,8 +117,7 @@ def export_gguf(
         raise KHAError(f"{kha_dir} is not a folder: KHA_DIR must be a checkpoint folder")
     check_source_links(kha_dir)
     raw = read_config(kha_dir)
-    heads = tuple(name.removeprefix("KHA") for name in TASK_HEADS)  # ForSequenceClassification, ...
-    head = next((a for a in raw.get("architectures") or [] if isinstance(a, str) and a.endswith(heads)), None)
+    head = task_head(kha_dir)
     if head is not None:
         raise KHAError(
             f"{kha_dir} is a {head}, not a causal LM: the GGUF export writes language models only; "

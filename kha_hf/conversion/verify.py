@@ -72,14 +72,13 @@ def verify_conversion(
 
     Code shipped inside BASE runs only with `trust_remote_code`; KHA_DIR loads with the installed kha_hf classes.
     """
-    from ..common.checks import check_checkpoint_against_config
+    from ..common.checks import check_checkpoint_against_config, task_head
     from ..common.loading import (
         check_device,
         check_model_ref,
         find_gguf,
         load_causal_lm,
         read_config_dict,
-        task_head,
         torch_dtype,
     )
 
@@ -127,14 +126,16 @@ def verify_task_head(
     same predicted classes (reported where a causal LM reports greedy tokens)."""
     import transformers
 
+    from ..common.checks import num_labels
+    from ..common.checks import task_head as head_of
     from ..common.loading import (
         check_remote_code_allowed,
         describe_error,
         load_tokenizer,
+        read_config_dict,
         remote_code_kwargs,
         torch_dtype,
     )
-    from ..common.loading import task_head as head_of
     from ..modeling.configuration_kha import TASK_HEADS
 
     if head not in TASK_HEADS:
@@ -142,6 +143,9 @@ def verify_task_head(
     base_head = head_of(Path(base)) if Path(base).is_dir() else None
     if base_head is None or not base_head.endswith(head.removeprefix("KHA")):
         raise KHAError(f"{kha_dir} is a {head}; BASE {base} is {base_head or 'not a checkpoint of that kind'}")
+    labels = [num_labels(read_config_dict(Path(ref)) or {}) for ref in (base, kha_dir)]
+    if head != "KHAForQuestionAnswering" and labels[0] != labels[1]:
+        raise KHAError(f"BASE {base} has {labels[0]} labels, {kha_dir} has {labels[1]}: not a conversion of it")
     auto = getattr(transformers, TASK_HEADS[head][0])
     check_remote_code_allowed(Path(base), trust_remote_code)
     tok = load_tokenizer(base, tokenizer, trust_remote_code)
@@ -150,7 +154,7 @@ def verify_task_head(
     for ref, extra in ((base, remote_code_kwargs(base, trust_remote_code)), (kha_dir, {})):
         try:
             models.append(auto.from_pretrained(ref, **extra, **kwargs).to(device).eval())
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, RuntimeError) as err:  # RuntimeError: a head whose shape the config denies
             raise KHAError(f"cannot load {str(ref)!r}: {describe_error(err)}") from err
     base_model, kha_model = models
     max_diff, base_pred, kha_pred = 0.0, [], []

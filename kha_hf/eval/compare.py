@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..common.checks import check_not_task_head
 from ..common.errors import KHAError
 from ..common.loading import check_device, check_model_ref, load_causal_lm
 from ..common.output import atomic_output_dir
@@ -240,7 +241,10 @@ def run_eval(
     must be None), so the comparison is base vs base + adapter, paired per document."""
     if adapter is not None:
         if candidate is not None or baseline is None:
-            raise KHAError("--adapter: the candidate is --baseline plus the adapter; give --baseline, not --candidate")
+            raise KHAError(
+                "--adapter makes the candidate --baseline plus the adapter: give --baseline"
+                + (", not --candidate" if candidate is not None else "")
+            )
     elif candidate is None:
         raise KHAError("--candidate is required (or --baseline with --adapter)")
     task_names = resolve_tasks(tasks, suite)
@@ -248,10 +252,13 @@ def run_eval(
     final = check_run_destination(
         output, [baseline, candidate, adapter], [perplexity_file] if perplexity_file else [], overwrite
     )
+    for ref in (baseline, candidate):  # a head checkpoint fails now, not after the other model's evaluation
+        if ref is not None and Path(str(ref)).expanduser().is_dir():
+            check_not_task_head(Path(str(ref)).expanduser())
     if adapter is not None:
-        from ..peft.adapter_files import read_knock_adapter
+        from ..peft.adapter_files import check_adapter_fits
 
-        read_knock_adapter(adapter)  # a bad adapter fails now, not after the baseline's evaluation
+        check_adapter_fits(baseline, adapter)  # a bad adapter fails now, not after the baseline's evaluation
     if local_data is None:
         local_data = not hub_reachable()
         if local_data:

@@ -134,10 +134,13 @@ def kha_architecture(architectures: list[str] | None, model_type: str | None) ->
     """
     names = [name for name in architectures or [] if isinstance(name, str)]
     heads = family_heads(model_type)
-    for name in names:
-        for public, family_name in heads.items():
-            if name == family_name:
-                return public
+    named = sorted({public for public, family_name in heads.items() if family_name in names})
+    if len(named) > 1:
+        raise ValueError(
+            f"its architectures name two different heads ({', '.join(named)}): which one do the weights hold?"
+        )
+    if named:
+        return named[0]
     from transformers.models.auto import modeling_auto
 
     known = {

@@ -11,10 +11,11 @@ family's row in `families.py`.
 Classes: each base family gets three thin subclasses of its own transformers classes (attention, body, causal LM),
 built when the family is first used (`family_classes`), and one for each task head it has (sequence and token
 classification, question answering: `head_class`). The public classes `KHAModel`, `KHAForCausalLM` and the heads
-(`KHAForSequenceClassification`, ...) pick the family's subclass from `config.base_model_type`, so
-`isinstance(model, KHAForCausalLM)` holds for every family and one `auto_map` entry serves them all. A KHA model is built by the family's own `__init__`; its `post_init`
-then turns the body and the attention modules into their KHA subclasses (adding the knocks) before any weight is
-initialised, so family specifics of `__init__` (logit scales, MoE attributes, ...) are never copied by hand.
+(`KHAForSequenceClassification`, ...) pick the family's subclass from `config.base_model_type`, so `isinstance(model,
+KHAForCausalLM)` holds for every family and one `auto_map` entry serves them all. A KHA model is built by the
+family's own `__init__`; its `post_init` then turns the body and the attention modules into their KHA subclasses
+(adding the knocks) before any weight is initialised, so family specifics of `__init__` (logit scales, MoE
+attributes, ...) are never copied by hand.
 
 This file is copied next to saved checkpoints (remote code): it may import only transformers/torch and siblings.
 """

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..common.checks import check_not_task_head
 from ..common.errors import KHAError
 from ..common.paths import check_source_links
 from ..common.safetensors_index import read_header
@@ -126,6 +127,7 @@ def write_knock_adapter(
         raise KHAError(f"{kha_dir} is not a folder: KHA_DIR must be a KHA checkpoint folder")
     check_source_links(kha_dir)
     read_kha_config(kha_dir)  # a KHA checkpoint, its values checked, before a model is built
+    check_not_task_head(kha_dir)  # its body would not load into the causal LM whose knocks are saved
     check_finite(read_knocks(kha_dir), kha_dir)
     try:
         model = KHAForCausalLM.from_pretrained(kha_dir)
@@ -137,6 +139,34 @@ def write_knock_adapter(
     with atomic_output_dir(out, overwrite=overwrite, marker="adapter") as tmp:
         adapter.save_pretrained(tmp)
     return out, count
+
+
+def check_adapter_fits(base: str | Path, folder: str | Path) -> TrainedKnocks:
+    """The knock adapter in FOLDER, read and checked (`read_knock_adapter`) and, when BASE is a local checkpoint
+    folder, checked against BASE's config and weight headers as `kha convert --adapter` checks them (family, layers,
+    every knock's name and shape) without loading a model: a tool that runs BASE first fails before, not after.
+    A Hub id or GGUF BASE is checked when PEFT loads the adapter (`apply_knock_adapter`)."""
+    from ..common.loading import find_gguf, read_config_dict
+    from ..common.safetensors_index import read_checkpoint_index
+    from ..conversion.converter import adapter_kha_config, adapter_knocks
+    from ..conversion.knock_tensors import initial_knock_tensors, layer_prefix
+
+    adapter = read_knock_adapter(folder)
+    path = Path(str(base)).expanduser()
+    if not path.is_dir() or find_gguf(path) is not None:
+        return adapter
+    config = read_config_dict(path) or {}
+    if config.get("model_type") == "kha":
+        raise KHAError(f"{base} is a KHA checkpoint (it has knocks already): a knock adapter goes on the stock model")
+    try:
+        kha_config = adapter_kha_config(config, adapter, path)
+        prefix = layer_prefix(read_checkpoint_index(path), kha_config.base_model_type)
+    except KHAError:
+        raise
+    except Exception as err:  # the family's config class rejects the adapter's layers, in its own words
+        raise KHAError(f"the adapter {folder} does not fit {base}: {str(err).strip().splitlines()[0][:300]}") from err
+    adapter_knocks(initial_knock_tensors(kha_config, torch.float32, prefix), adapter.tensors, str(base))
+    return adapter
 
 
 def apply_knock_adapter(model, folder: str | Path):

@@ -154,8 +154,9 @@ def check_serve_inputs(
     if not path.is_dir() or read_config_dict(path) is None:
         raise KHAError(f"{model} is not a model folder (it has no readable config.json)")
     check_remote_code_allowed(path, trust_remote_code)
-    from ..common.checks import check_checkpoint_against_config
+    from ..common.checks import check_checkpoint_against_config, check_not_task_head
 
+    check_not_task_head(path)  # served as a causal LM, a reward model would answer with a random lm_head
     check_checkpoint_against_config(path)
     return str(path.resolve())
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import TrainingArguments
 
-from ..common.checks import check_checkpoint_against_config
+from ..common.checks import check_checkpoint_against_config, check_not_task_head
 from ..common.errors import KHAError
 from ..common.loading import check_model_ref, load_tokenizer, read_config_dict
 from ..common.model_card import carry_training_card
@@ -75,6 +75,7 @@ def check_trainable_config(folder: Path) -> None:
             f"{folder} is a {model_type!r} model; kha trains KHA checkpoints and base checkpoints of: "
             f"{', '.join(SUPPORTED_BASE_MODEL_TYPES)} (convert other architectures first: kha convert)"
         )
+    check_not_task_head(folder)  # a reward model trained as a causal LM would get a random lm_head
     check_checkpoint_against_config(folder)
 
 

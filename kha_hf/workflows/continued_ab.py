@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..common.checks import check_not_task_head
 from ..common.errors import KHAError
 from ..common.loading import find_gguf, load_tokenizer
 from ..common.output import atomic_output_dir
@@ -90,6 +91,8 @@ def continued_ab(settings: ContinuedAB, output: str | Path = "kha-ab-continued",
             raise KHAError(f"learning-rate grids need one or more positive rates, got {list(grid)}")
     start = time.perf_counter()
     final = check_run_destination(output, [s.model, s.tokenizer], s.data, overwrite)
+    if Path(s.model).expanduser().is_dir():  # the arms train causal LMs: a reward model would get a random lm_head
+        check_not_task_head(Path(s.model).expanduser())
     with atomic_output_dir(final, overwrite=overwrite, marker="ab") as work:
         summary = _run(s, work)
         summary["minutes"] = (time.perf_counter() - start) / 60
