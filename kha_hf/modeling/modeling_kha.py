@@ -241,6 +241,9 @@ class KHAPreTrainedModel(PreTrainedModel):
 
     def post_init(self) -> None:
         super().post_init()
+        # Each model its own list: `add_model_tags` (TRL's trainers call it) appends in place, and the class's list
+        # is shared by every KHA class, so one trainer's tags would reach every KHA model made after it.
+        self.model_tags = list(self.model_tags or [])
         if _LOADING_BASE_CHECKPOINT.get():
             self._keys_to_ignore_on_load_missing.add(KNOCK_KEYS)  # initialised to the identity, not to train
 

@@ -83,6 +83,22 @@ def test_save_pretrained_tags_the_card_and_leaves_no_stale_knocks(tmp_path):
     assert KHAForCausalLM.model_tags == ["kha", "knocking-heads-attention", "kha-hf"]
 
 
+def test_a_trainers_tags_stay_on_its_model():
+    """TRL's trainers call `model.add_model_tags([...])`, which appends in place: on the class's shared list, every
+    KHA model made afterwards (any class) carried a reward trainer's tags into its card."""
+    from kha_hf import KHAForSequenceClassification
+
+    trained = KHAForCausalLM.from_base(tiny_base_model("qwen3"))
+    trained.add_model_tags(["trl", "reward-trainer"])
+    assert "reward-trainer" in trained.model_tags
+    assert (
+        KHAForCausalLM.model_tags
+        == KHAForSequenceClassification.model_tags
+        == ["kha", "knocking-heads-attention", "kha-hf"]
+    )
+    assert "reward-trainer" not in KHAForCausalLM.from_base(tiny_base_model("qwen3")).model_tags
+
+
 @pytest.mark.slow
 def test_gguf_metadata_gives_license_and_language_never_a_file_name(tmp_path):
     import json
