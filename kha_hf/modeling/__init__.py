@@ -4,15 +4,13 @@ siblings (single-dot relative imports); `tests/modeling/test_remote_code_rules.p
 This `__init__.py` does not travel (transformers never copies it) but follows the same rule.
 """
 
-from .configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS, SUPPORTED_BASE_MODEL_TYPES, KHAConfig
-
-_HEADS = ("KHAForSequenceClassification", "KHAForTokenClassification", "KHAForQuestionAnswering")
+from .configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS, SUPPORTED_BASE_MODEL_TYPES, TASK_HEADS, KHAConfig
 
 
 def __getattr__(name: str):
     # The model classes import transformers' modeling stack (about a second): only when asked for, so that the
     # `kha` command can show its help and check its arguments first.
-    if name in ("KHAForCausalLM", "KHAModel", "KHAPreTrainedModel", *_HEADS):
+    if name in ("KHAForCausalLM", "KHAModel", "KHAPreTrainedModel", *TASK_HEADS):
         from . import modeling_kha as module
     elif name in ("KnockLinear", "LinearKnock", "MLPKnock"):
         from . import knocks as module
