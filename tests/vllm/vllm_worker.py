@@ -3,7 +3,8 @@
     python vllm_worker.py JOB.json RESULT.json
 
 JOB: {"mode": "generate" | "throughput" | "remote_code", ...}; the result is written as JSON. KHA checkpoints
-load the way any vLLM user loads them: `LLM(model=DIR, model_impl="transformers", trust_remote_code=True)`.
+load the way any vLLM user loads them: `LLM(model=DIR, model_impl="transformers", trust_remote_code=True)` without
+the kha-hf-vllm plugin, or, with it, `LLM(model=DIR)` (a model entry with "impl": null, "trust_remote_code": false).
 Used by tests/vllm/ and benchmarks/vllm_throughput.py.
 """
 
@@ -16,13 +17,14 @@ import sys
 import time
 
 
-def _llm(path: str, impl: str, max_model_len: int, eager: bool = True):
+def _llm(path: str, impl: str | None, max_model_len: int, eager: bool = True, trust_remote_code: bool = True):
+    """vLLM's LLM on PATH, float32; IMPL None leaves `model_impl` at vLLM's default, as a user who passes nothing."""
     from vllm import LLM
 
     return LLM(
         model=path,
-        model_impl=impl,
-        trust_remote_code=True,
+        **({} if impl is None else {"model_impl": impl}),
+        trust_remote_code=trust_remote_code,
         dtype="float32",
         max_model_len=max_model_len,
         enforce_eager=eager,
@@ -47,7 +49,12 @@ def generate(job: dict) -> dict:
     results = {}
     for model in job["models"]:
         try:
-            llm = _llm(model["path"], model.get("impl", "transformers"), job["max_model_len"])
+            llm = _llm(
+                model["path"],
+                model.get("impl", "transformers"),
+                job["max_model_len"],
+                trust_remote_code=model.get("trust_remote_code", True),
+            )
         except Exception as err:  # reported to the test, which decides whether this model must load
             results[model["path"]] = {"error": f"{type(err).__name__}: {err}"}
             continue
@@ -71,7 +78,13 @@ def throughput(job: dict) -> dict:
     prompt = TokensPrompt(prompt_token_ids=job["prompt"])
     results = {}
     for model in job["models"]:
-        llm = _llm(model["path"], model.get("impl", "transformers"), job["max_model_len"], eager=job.get("eager", True))
+        llm = _llm(
+            model["path"],
+            model.get("impl", "transformers"),
+            job["max_model_len"],
+            eager=job.get("eager", True),
+            trust_remote_code=model.get("trust_remote_code", True),
+        )
         llm.generate([prompt], params, use_tqdm=False)  # warm-up
         rates = {"batch1": [], f"concurrent{job['concurrent']}": []}
         for _ in range(job["rounds"]):

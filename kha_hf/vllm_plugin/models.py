@@ -1,0 +1,190 @@
+"""KHA causal LMs in vLLM: vLLM's own Transformers backend classes, with the linear knocks folded away at load.
+
+vLLM maps one architecture name to one class, but its Transformers backend has a dense class and a MoE class and
+picks between them per checkpoint (`ModelConfig._get_transformers_backend_cls`: `is_moe`). `KHAForCausalLM` makes
+the same choice when it is built: a MoE checkpoint (Qwen3-MoE, Mixtral, ... with KHA) becomes a `KHAMoEForCausalLM`.
+
+Base speed. A linear knock acts right after its projection, so it folds into the projection's weight and bias per
+head (`kha fold`'s rule, `knocks.fold_projection`, in float64). The model is built without its linear knocks (the
+graph vLLM traces and fuses is the base family's own), and each projection tensor is folded as it streams in, once
+its layer's knocks have arrived (knocks are tiny; a projection waits only when its shard comes before its knocks).
+MLP knocks stay: vLLM's own GLU fuser already runs their up and gate maps as one matmul (MergedColumnParallelLinear).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.models.transformers import TransformersForCausalLM, TransformersMoEForCausalLM
+
+from ..modeling.families import family_spec, segment_rows
+from ..modeling.knocks import fold_projection
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# under vLLM's logger, whose handler and level vLLM configures (a logger outside `vllm.` stays silent)
+logger = init_logger(f"vllm.plugins.{__name__}")
+
+TARGETS = ("q", "k", "v")
+KNOCK_MODULES = tuple(f"{t}_knock" for t in TARGETS)
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def checked_knocks(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """WEIGHTS as they stream from the checkpoint, refusing a knock tensor that holds NaN or infinity (a knock
+    trained into NaN would otherwise serve NaN logits, which greedy decoding turns into token 0 without a word)."""
+    for name, tensor in weights:
+        if any(part in KNOCK_MODULES for part in name.split(".")) and tensor.is_floating_point():
+            if not torch.isfinite(tensor).all():
+                raise ValueError(f"KHA checkpoint refused: the knock weight {name} holds NaN or infinite values")
+        yield name, tensor
+
+
+class LinearKnockFolder:
+    """Folds the linear knocks of CONFIG (a KHAConfig) into the projections of the layers at SITES (attention
+    module path -> layer index) while the checkpoint's tensors stream past."""
+
+    def __init__(self, config, sites: dict[str, int]) -> None:
+        self.config = config
+        self.sites = sites
+        self.linear = [t for t in TARGETS if getattr(config, f"knock_{t}") == "linear"]
+        self.layout = family_spec(config.base_model_type).layout
+        # projection -> [(target, rows of that target's segments)] for the linear targets that touch it
+        self.rows = {
+            projection: [(t, rows) for t in self.linear if (rows := segment_rows(config, blocks, t))]
+            for projection, blocks in self.layout.items()
+        }
+        # each linear knock is a (d, d) matrix, d the size of its target's per-head segment
+        self.size = {t: rows[0][1] - rows[0][0] for targets in self.rows.values() for t, rows in targets}
+        self.knocks: dict[tuple[str, str], torch.Tensor] = {}  # (site, target) -> knock weight
+        self.waiting: dict[str, tuple[torch.Tensor, str, str]] = {}  # name -> (tensor, site, projection)
+
+    def _locate(self, name: str) -> tuple[str | None, str, str]:
+        """(site, leaf module, tensor) of a tensor NAME (`model.layers.3.self_attn.q_proj.weight` ->
+        (`layers.3.self_attn`, `q_proj`, `weight`)), or (None, "", "") outside the knocked layers' attention. The
+        site must follow the body's prefix exactly (`model.` or nothing), never another tower's `...layers.3...`."""
+        module_path, _, tensor = name.rpartition(".")
+        site_path, _, leaf = module_path.rpartition(".")
+        site = site_path.removeprefix("model.")
+        return (site, leaf, tensor) if site in self.sites else (None, "", "")
+
+    def _knock(self, name: str, tensor: torch.Tensor, part: str, target: str) -> torch.Tensor:
+        """A linear knock as it arrives, checked: only `weight`, a float (d, d) matrix."""
+        d = self.size[target]
+        if part != "weight" or not tensor.is_floating_point() or tuple(tensor.shape) != (d, d):
+            raise ValueError(
+                f"KHA checkpoint refused: {name} ({tensor.dtype}, shape {tuple(tensor.shape)}) is not a linear "
+                f"knock's weight, which is a float ({d}, {d}) matrix"
+            )
+        return tensor
+
+    def _projection(self, name: str, tensor: torch.Tensor, part: str) -> None:
+        """Only float weights and biases fold: a quantized projection (scales, packed ints) cannot take a knock."""
+        if part not in ("weight", "bias") or not tensor.is_floating_point():
+            raise ValueError(
+                f"KHA checkpoint refused: linear knocks cannot be folded into {name} ({tensor.dtype}): fold them "
+                "with `kha fold` before quantizing"
+            )
+
+    def _ready(self, site: str, projection: str) -> bool:
+        return all((site, target) in self.knocks for target, _ in self.rows[projection])
+
+    def _fold(self, tensor: torch.Tensor, site: str, projection: str) -> torch.Tensor:
+        for target, rows in self.rows[projection]:
+            tensor = fold_projection(tensor, self.knocks[(site, target)], rows)
+        return tensor
+
+    def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            site, leaf, part = self._locate(name)
+            if site is None:
+                yield name, tensor
+            elif leaf in KNOCK_MODULES and leaf[0] in self.linear:
+                if (site, leaf[0]) in self.knocks:
+                    raise ValueError(f"KHA checkpoint refused: {name} is stored twice")
+                self.knocks[(site, leaf[0])] = self._knock(name, tensor, part, leaf[0])
+                for waiting in [n for n, (_, s, p) in self.waiting.items() if s == site and self._ready(s, p)]:
+                    held, _, projection = self.waiting.pop(waiting)
+                    yield waiting, self._fold(held, site, projection)
+            elif self.rows.get(leaf):
+                self._projection(name, tensor, part)
+                if self._ready(site, leaf):
+                    yield name, self._fold(tensor, site, leaf)
+                else:
+                    self.waiting[name] = (tensor, site, leaf)
+            else:
+                yield name, tensor
+        if self.waiting:
+            name, (_, site, projection) = next(iter(self.waiting.items()))
+            missing = [t for t, _ in self.rows[projection] if (site, t) not in self.knocks]
+            raise ValueError(
+                f"KHA checkpoint refused: {name} has no {'/'.join(missing)} knock in the checkpoint "
+                f"(config.json says knock_{missing[0]} is linear in layer {self.sites[site]})"
+            )
+
+
+class _KHALoading:
+    """Shared by the dense and the MoE class: build without linear knocks, fold them in while loading."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        config = vllm_config.model_config.hf_config
+        try:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        except Exception as err:  # one line that names the family; vLLM prints the chain above it
+            raise ValueError(
+                f"kha-hf-vllm: vLLM cannot run this KHA model of the {config.base_model_type} family: {err}"
+            ) from err
+        sites = {
+            path: int(match.group(1))
+            for path, module in self.model.named_modules()
+            if hasattr(module, "_kha_layout") and (match := LAYER.search(path))
+        }
+        knocked = set(config.knocked_layers)
+        self._kha_folder = LinearKnockFolder(config, {p: i for p, i in sites.items() if i in knocked})
+        folded = ", ".join(self._kha_folder.linear) or "none"
+        logger.info(
+            "kha-hf-vllm: %s (%s base; knocks q %s, k %s, v %s; linear knocks folded into the projections: %s)",
+            type(self).__name__,
+            config.base_model_type,
+            config.knock_q,
+            config.knock_k,
+            config.knock_v,
+            folded,
+        )
+
+    def _patch_config(self) -> None:
+        """Before the HF model is built: a copy of the config whose linear knocks are 'none', so the model vLLM
+        traces, fuses and runs is the base family's graph in those places (the checkpoint's knocks are folded into
+        the projections instead, `load_weights`). vLLM's own `model_config.hf_config` stays as it was."""
+        super()._patch_config()
+        if any(getattr(self.config, f"knock_{t}") == "linear" for t in TARGETS):
+            config = copy.deepcopy(self.config)
+            for target in TARGETS:
+                if getattr(config, f"knock_{target}") == "linear":
+                    setattr(config, f"knock_{target}", "none")
+            self.config = self.text_config = config
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(self._kha_folder(checked_knocks(weights)))
+        # vLLM checks that every parameter was loaded against this set: the folded knocks have no parameter
+        return loaded
+
+
+class KHAMoEForCausalLM(_KHALoading, TransformersMoEForCausalLM):
+    """A KHA model over a mixture-of-experts family, on vLLM's MoE Transformers backend (fused experts)."""
+
+
+class KHAForCausalLM(_KHALoading, TransformersForCausalLM):
+    """A KHA causal LM on vLLM's Transformers backend; the class vLLM's registry knows `KHAForCausalLM` by."""
+
+    def __new__(cls, *, vllm_config: VllmConfig, prefix: str = ""):
+        if cls is KHAForCausalLM and vllm_config.model_config.is_moe:
+            # not an instance of cls, so Python does not run __init__ on it a second time
+            return KHAMoEForCausalLM(vllm_config=vllm_config, prefix=prefix)
+        return super().__new__(cls)

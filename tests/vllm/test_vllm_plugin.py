@@ -1,0 +1,252 @@
+"""The kha-hf-vllm plugin (plugins/vllm): `LLM(model=DIR)` and vLLM's server with only `--model DIR`.
+
+No `model_impl`, no `trust_remote_code`: the plugin (a `vllm.general_plugins` entry point, built from this checkout
+by the `vllm_plugin` fixture) registers KHA with transformers and vLLM in each vLLM process. To show that nothing in
+the checkpoint folder runs, every `.py` file the folder carries (the remote code) is made to raise on import.
+Token-exact against transformers' `generate` in kha-hf's environment, as tests/vllm/test_vllm_backend.py.
+Also: without the plugin the same call fails (so the plugin is what makes it work), a MoE checkpoint gets vLLM's MoE
+backend class, NaN knocks are refused at load, and an unsupported vLLM makes the plugin log one line and stand down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kha_hf import KHAForCausalLM
+from kha_hf.cli import main
+from tests.helpers import free_port, save_tiny_tokenizer, tiny_config
+from tests.vllm.conftest import run_worker, with_plugin
+from tests.vllm.test_vllm_backend import LOGPROB_ATOL, PERTURBATION, greedy, perturbed_copy, shared_path_differences
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 12
+# Families with the plugin: a dense one with q/k norms, a MoE one (vLLM's fused-experts class), and linear knocks,
+# which the plugin folds into the projections while the weights load: separate q/k/v with biases (Llama with
+# attention_bias), fused qkv_proj (Phi-3), q/k norms after the projection (Qwen3). Tiny (head_dim 32: vLLM's CPU
+# attention kernels take 32, 64, ..., not 16).
+CASES = {
+    "qwen3-mlp_v": ("qwen3", "mlp_v"),
+    "qwen3_moe-mlp_v": ("qwen3_moe", "mlp_v"),
+    "llama_bias-linear_qkv": ("llama_bias", "linear_qkv"),
+    "phi3-linear_qkv": ("phi3", "linear_qkv"),
+    "qwen3-linear_qkv": ("qwen3", "linear_qkv"),
+}
+KNOCKS = {"mlp_v": "q none, k none, v mlp", "linear_qkv": "q linear, k linear, v linear"}
+POISON = 'raise RuntimeError("kha-hf test: the checkpoint folder\'s code was executed")\n'
+
+
+def poison_folder_code(folder) -> list[str]:
+    """Make every .py file in FOLDER raise on import; the names poisoned."""
+    names = []
+    for path in sorted(folder.glob("*.py")):
+        path.write_text(POISON + path.read_text())
+        names.append(path.name)
+    return names
+
+
+@pytest.fixture(scope="module")
+def plugin_checkpoints(tmp_path_factory):
+    """name -> (folder with poisoned code, prompts, transformers' greedy tokens, their log-probabilities, stock
+    model's tokens)."""
+    root = tmp_path_factory.mktemp("plugin")
+    cases = {}
+    for name, (family, preset) in CASES.items():
+        config = tiny_config(family)
+        config.vocab_size, config.head_dim = 300, 32
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / family)
+        save_tiny_tokenizer(root / family)
+        assert main(["convert", str(root / family), str(root / f"{name}-identity"), "--knock", preset]) == 0
+        perturbed_copy(root / f"{name}-identity", root / name, PERTURBATION[preset])
+        tokenizer = AutoTokenizer.from_pretrained(root / name)
+        prompts, expected, logprobs, _ = greedy(KHAForCausalLM.from_pretrained(root / name).eval(), tokenizer)
+        stock = greedy(AutoModelForCausalLM.from_pretrained(root / family).eval(), tokenizer)[1]
+        assert poison_folder_code(root / name), "the KHA checkpoint carries no remote code to poison"
+        cases[name] = (root / name, prompts, expected, logprobs, stock)
+    return cases
+
+
+def job(cases, names) -> dict:
+    prompts = {tuple(map(tuple, cases[n][1])) for n in names}
+    assert len(prompts) == 1, "one tokenizer per job"
+    return {
+        "mode": "generate",
+        "max_tokens": NEW_TOKENS,
+        "max_model_len": 128,
+        "prompts": [list(p) for p in prompts.pop()],
+        "models": [{"path": str(cases[n][0]), "impl": None, "trust_remote_code": False} for n in names],
+    }
+
+
+@pytest.fixture(scope="module")
+def plugin_run(plugin_checkpoints, vllm_env, vllm_plugin, tmp_path_factory):
+    """All plugin checkpoints through `LLM(model=DIR)` in one vLLM process with the plugin."""
+    return run_worker(
+        vllm_env, job(plugin_checkpoints, sorted(CASES)), tmp_path_factory.mktemp("job"), env=with_plugin(vllm_plugin)
+    )
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_plugin_serves_kha_without_flags_token_exact(name, plugin_checkpoints, plugin_run):
+    folder, _, expected, logprobs, stock = plugin_checkpoints[name]
+    got = plugin_run[str(folder)]
+    assert "error" not in got, f"vLLM with the plugin could not run {name}: {got['error']}"
+    worst = max(shared_path_differences(got["tokens"], got["logprobs"], expected, logprobs), default=0.0)
+    assert worst <= LOGPROB_ATOL["default"], f"{name}: log-probabilities differ by up to {worst:.2e}"
+    assert got["tokens"] == expected, f"{name}: vLLM {got['tokens']} != transformers {expected}"
+    assert stock != expected, f"{name}: the perturbed knocks do not change the greedy tokens; nothing is shown"
+
+
+def test_plugin_resolves_kha_to_its_classes(plugin_run):
+    log = plugin_run["_log"]
+    assert "Resolved architecture: KHAForCausalLM" in log
+    # the MoE checkpoint went to vLLM's MoE Transformers backend (fused experts), as vLLM would choose for its base
+    assert "kha-hf-vllm: KHAMoEForCausalLM (qwen3_moe" in log, log[-3000:]
+    for name, (family, preset) in CASES.items():
+        folded = "q, k, v" if preset == "linear_qkv" else "none"
+        line = f"({tiny_config(family).model_type} base; knocks {KNOCKS[preset]}; linear knocks folded into the projections: {folded})"
+        assert line in log, f"{name}: no plugin line {line!r}"
+    assert "checkpoint folder's code was executed" not in log
+
+
+def test_without_the_plugin_the_same_call_fails(plugin_checkpoints, vllm_env, tmp_path):
+    """Proves the plugin is what makes `LLM(model=DIR)` work (the remote-code route needs the flags)."""
+    out = run_worker(vllm_env, job(plugin_checkpoints, ["qwen3-mlp_v"]), tmp_path, env={"VLLM_PLUGINS": "not-kha"})
+    error = out[str(plugin_checkpoints["qwen3-mlp_v"][0])].get("error", "")
+    assert "trust_remote_code=True" in error, f"expected vLLM to ask for remote code, got {error or 'tokens'}"
+
+
+def test_plugin_refuses_broken_knocks_at_load(plugin_checkpoints, vllm_env, vllm_plugin, tmp_path):
+    """NaN in an MLP knock; a linear knock cut to (d, 1), which torch's einsum would broadcast into a fold that loads
+    without a word and serves other tokens (found by the attack on the plugin). Each refused in one line."""
+    import shutil
+
+    broken = {}
+    for name, source, edit in (
+        ("nan", "qwen3-mlp_v", lambda w: w.__setitem__((0, 0), float("nan")) or w),
+        ("cut", "qwen3-linear_qkv", lambda w: w[:, :1].contiguous()),
+    ):
+        folder = tmp_path / name
+        shutil.copytree(plugin_checkpoints[source][0], folder)
+        weights = load_file(folder / "model.safetensors")
+        knock = next(key for key in sorted(weights) if "_knock." in key)
+        weights[knock] = edit(weights[knock])
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        broken[name] = (folder, knock)
+    cases = {name: (folder, *plugin_checkpoints["qwen3-mlp_v"][1:]) for name, (folder, _) in broken.items()}
+    (tmp_path / "job").mkdir()
+    out = run_worker(vllm_env, job(cases, sorted(cases)), tmp_path / "job", env=with_plugin(vllm_plugin))
+    log = out["_log"]
+    assert f"KHA checkpoint refused: the knock weight {broken['nan'][1]} holds NaN" in log, log[-3000:]
+    assert f"KHA checkpoint refused: {broken['cut'][1]} (torch.float32, shape (32, 1)) is not a linear" in log
+    for folder, _ in broken.values():
+        assert "tokens" not in out[str(folder)], f"{folder.name}: broken knocks were served"
+
+
+PROBE = """
+import sys
+import vllm
+from vllm import ModelRegistry
+vllm.__version__ = sys.argv[1]
+from kha_hf_vllm.vllm_plugin import register
+register()
+print("REGISTERED" if "KHAForCausalLM" in ModelRegistry.get_supported_archs() else "NOT REGISTERED")
+"""
+
+
+@pytest.mark.parametrize("version,registered", [("0.31.2", False), ("0.32.0", True), ("0.40.0", True)])
+def test_plugin_checks_the_vllm_version(version, registered, vllm_env, vllm_plugin, tmp_path):
+    proc = subprocess.run(
+        [str(vllm_env), "-c", PROBE, version],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **with_plugin(vllm_plugin)},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if "kha-hf-vllm" in line]
+    assert proc.stdout.strip().endswith("NOT REGISTERED" if not registered else "REGISTERED")
+    if version == "0.32.0":
+        assert ours == []
+    else:  # one line: refused (too old) or untested (newer)
+        assert len(ours) == 1 and version in ours[0], ours
+
+
+@pytest.fixture(scope="module")
+def plugin_server(plugin_checkpoints, vllm_env, vllm_plugin, tmp_path_factory):
+    """vLLM's OpenAI server with the plugin and only `--model DIR` (plus float32 and a small context, which are
+    not KHA's business); yields its base URL."""
+    folder = plugin_checkpoints["qwen3-mlp_v"][0]
+    port = free_port()
+    log = tmp_path_factory.mktemp("plugin-serve") / "serve.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HOME": str(log.parent / "hf")}
+    env.pop("HF_MODULES_CACHE", None)
+    env.update(with_plugin(vllm_plugin))
+    command = [
+        str(vllm_env),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--enforce-eager",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log.parent)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "vLLM's server exited:\n" + log.read_text()[-5000:]
+            try:
+                if urllib.request.urlopen(f"{url}/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                time.sleep(2)
+        else:
+            pytest.fail("vLLM's server did not become healthy in 600 s:\n" + log.read_text()[-5000:])
+        yield url, folder, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_plugin_server_with_only_model_dir_answers_token_exact(plugin_server, plugin_checkpoints):
+    url, folder, log = plugin_server
+    _, prompts, expected, _, _ = plugin_checkpoints["qwen3-mlp_v"]
+    for ids, tokens in zip(prompts, expected, strict=True):
+        body = {
+            "model": str(folder),
+            "prompt": ids,
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        answer = json.load(urllib.request.urlopen(request, timeout=120))
+        assert answer["choices"][0]["token_ids"] == tokens, answer
+    assert "checkpoint folder's code was executed" not in log.read_text()
