@@ -8,7 +8,10 @@ Base speed. A linear knock acts right after its projection, so it folds into the
 head (`kha fold`'s rule, `knocks.fold_projection`, in float64). The model is built without its linear knocks (the
 graph vLLM traces and fuses is the base family's own), and each projection tensor is folded as it streams in, once
 its layer's knocks have arrived (knocks are tiny; a projection waits only when its shard comes before its knocks).
-MLP knocks stay: vLLM's own GLU fuser already runs their up and gate maps as one matmul (MergedColumnParallelLinear).
+An MLP knock `2 * (x W_up * sigmoid(x W_gate)) W_down` runs as three kernels once loaded (`GLUKnock`): one matmul
+for [W_up; W_gate], torch's `glu` (a * sigmoid(b), bit-identical to the two ops on CPU), and one matmul with 2 W_down
+(exact: scaling by a power of two commutes with rounding), instead of six (vLLM's own fuser already merged up and
+gate; the split, sigmoid, doubling and product remained).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from vllm.logger import init_logger
 from vllm.model_executor.models.transformers import TransformersForCausalLM, TransformersMoEForCausalLM
 
@@ -44,6 +49,55 @@ def checked_knocks(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tupl
             if not torch.isfinite(tensor).all():
                 raise ValueError(f"KHA checkpoint refused: the knock weight {name} holds NaN or infinite values")
         yield name, tensor
+
+
+class GLUKnock(nn.Module):
+    """An MLP knock as vLLM runs it: (..., d) -> (..., d) = glu(x [W_up; W_gate]ᵀ) (2 W_down)ᵀ, equal to
+    `knocks.MLPKnock` (down(up(x) * 2 sigmoid(gate(x)))). Plain buffers: replicated on every tensor-parallel rank,
+    as the knock is (it acts on each head's d features)."""
+
+    def __init__(self, up: torch.Tensor, gate: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("up_gate", torch.cat([up, gate]), persistent=False)  # (2d, d)
+        self.register_buffer("down", 2 * down, persistent=False)  # (d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.glu(F.linear(x, self.up_gate), dim=-1), self.down)
+
+
+class MLPKnockCapture:
+    """Keeps the MLP knocks' weights of the layers at SITES as they stream past to vLLM's own loader (which fills
+    the modules vLLM built; `install` then swaps each for a `GLUKnock` on the same device and dtype)."""
+
+    def __init__(self, config, sites: dict[str, int]) -> None:
+        targets = [t for t in TARGETS if getattr(config, f"knock_{t}") == "mlp"]
+        self.names = {
+            f"{site}.{t}_knock.{part}.weight": (site, t, part)
+            for site in sites
+            for t in targets
+            for part in ("up", "gate", "down")
+        }
+        self.kept: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+
+    def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if (key := self.names.get(name.removeprefix("model."))) is not None:
+                self.kept.setdefault(key[:2], {})[key[2]] = tensor
+            yield name, tensor
+
+    def install(self, model: nn.Module) -> int:
+        """Swap every fully captured MLP knock of MODEL (vLLM's HF body) for its GLUKnock; how many."""
+        count = 0
+        for (site, target), parts in self.kept.items():
+            if len(parts) != 3:
+                continue
+            attention = model.get_submodule(site)
+            reference = next(getattr(attention, f"{target}_knock").parameters())
+            knock = GLUKnock(parts["up"], parts["gate"], parts["down"]).to(reference.device, reference.dtype)
+            setattr(attention, f"{target}_knock", knock)
+            count += 1
+        self.kept.clear()
+        return count
 
 
 class LinearKnockFolder:
@@ -146,7 +200,9 @@ class _KHALoading:
             if hasattr(module, "_kha_layout") and (match := LAYER.search(path))
         }
         knocked = set(config.knocked_layers)
-        self._kha_folder = LinearKnockFolder(config, {p: i for p, i in sites.items() if i in knocked})
+        sites = {p: i for p, i in sites.items() if i in knocked}
+        self._kha_folder = LinearKnockFolder(config, sites)
+        self._kha_mlp_knocks = MLPKnockCapture(config, sites)
         folded = ", ".join(self._kha_folder.linear) or "none"
         logger.info(
             "kha-hf-vllm: %s (%s base; knocks q %s, k %s, v %s; linear knocks folded into the projections: %s)",
@@ -171,8 +227,12 @@ class _KHALoading:
             self.config = self.text_config = config
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = super().load_weights(self._kha_folder(checked_knocks(weights)))
-        # vLLM checks that every parameter was loaded against this set: the folded knocks have no parameter
+        loaded = super().load_weights(self._kha_mlp_knocks(self._kha_folder(checked_knocks(weights))))
+        # vLLM checks LOADED against the parameters it listed before loading: the folded linear knocks have none, and
+        # the MLP knocks' parameters were loaded before their modules are swapped for GLUKnocks here
+        swapped = self._kha_mlp_knocks.install(self.model)
+        if swapped:
+            logger.info("kha-hf-vllm: %d MLP knocks run as up+gate matmul, glu, down matmul", swapped)
         return loaded
 
 

@@ -114,8 +114,12 @@ def test_plugin_resolves_kha_to_its_classes(plugin_run):
     assert "kha-hf-vllm: KHAMoEForCausalLM (qwen3_moe" in log, log[-3000:]
     for name, (family, preset) in CASES.items():
         folded = "q, k, v" if preset == "linear_qkv" else "none"
-        line = f"({tiny_config(family).model_type} base; knocks {KNOCKS[preset]}; linear knocks folded into the projections: {folded})"
+        model_type = tiny_config(family).model_type
+        line = f"({model_type} base; knocks {KNOCKS[preset]}; linear knocks folded into the projections: {folded})"
         assert line in log, f"{name}: no plugin line {line!r}"
+    # MLP knocks swapped for GLUKnock (one up+gate matmul, glu, one down matmul), one line per MLP checkpoint
+    mlp = sum(preset == "mlp_v" for _, preset in CASES.values())
+    assert log.count("MLP knocks run as up+gate matmul, glu, down matmul") == mlp
     assert "checkpoint folder's code was executed" not in log
 
 
