@@ -254,3 +254,55 @@ def test_plugin_server_with_only_model_dir_answers_token_exact(plugin_server, pl
         answer = json.load(urllib.request.urlopen(request, timeout=120))
         assert answer["choices"][0]["token_ids"] == tokens, answer
     assert "checkpoint folder's code was executed" not in log.read_text()
+
+
+FOLDER_PROBE = """
+import json, sys
+import torch
+from kha_hf_vllm.modeling.configuration_kha import KHAConfig
+from kha_hf_vllm.vllm_plugin.models import LinearKnockFolder
+
+config = KHAConfig(base_model_type="llama", knock="linear_qkv", hidden_size=64, intermediate_size=96,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300)
+def run(stream):
+    try:
+        return [name for name, _ in LinearKnockFolder(config, {"layers.0.self_attn": 0})(stream)]
+    except ValueError as err:
+        return str(err)
+eye = torch.eye(16)
+out = {
+    # GPTQ-style packed ints under a projection that takes a linear knock: refused, never folded as numbers
+    "quantized": run([("model.layers.0.self_attn.q_knock.weight", eye),
+                      ("model.layers.0.self_attn.q_proj.qweight", torch.zeros(64, 8, dtype=torch.int32))]),
+    "twice": run([("model.layers.0.self_attn.q_knock.weight", eye), ("model.layers.0.self_attn.q_knock.weight", eye)]),
+    "bias_as_knock": run([("model.layers.0.self_attn.q_knock.bias", torch.zeros(16))]),
+    # another tower's layer 0 with the same module path is not the text model's: passed through untouched
+    "other_tower": run([("model.visual.layers.0.self_attn.q_proj.weight", torch.ones(64, 64))]),
+    "missing": run([("model.layers.0.self_attn.q_proj.weight", torch.ones(64, 64))]),
+}
+print(json.dumps(out))
+"""
+
+
+def test_linear_knock_folder_refuses_what_it_cannot_fold(vllm_env, vllm_plugin, tmp_path):
+    """The folder's refusals without starting an engine (found by the attack on the plugin)."""
+    proc = subprocess.run(
+        [str(vllm_env), "-c", FOLDER_PROBE],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **with_plugin(vllm_plugin)},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (
+        "linear knocks cannot be folded into model.layers.0.self_attn.q_proj.qweight (torch.int32)" in out["quantized"]
+    )
+    assert out["twice"] == "KHA checkpoint refused: model.layers.0.self_attn.q_knock.weight is stored twice"
+    assert (
+        "model.layers.0.self_attn.q_knock.bias (torch.float32, shape (16,)) is not a linear knock"
+        in out["bias_as_knock"]
+    )
+    assert out["other_tower"] == ["model.visual.layers.0.self_attn.q_proj.weight"]
+    assert "q_proj.weight has no q knock in the checkpoint" in out["missing"]
