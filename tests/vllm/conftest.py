@@ -20,6 +20,9 @@ from tests.helpers import side_environment
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")
 WITHOUT_PLUGIN = "none"  # a VLLM_PLUGINS allow-list that names no installed plugin
+# The tests read vLLM's INFO lines. trl 1.16 sets VLLM_LOGGING_LEVEL=ERROR in os.environ when it is imported
+# (trl/_compat.py, _patch_vllm_logging), which a subprocess started after any TRL test in the same worker inherits.
+VLLM_LOG_INFO = {"VLLM_LOGGING_LEVEL": "INFO"}
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +45,7 @@ def run_worker(python: Path, job: dict, tmp_path: Path, timeout: int = 1800, env
         # vLLM runs only the general plugins named here: by default not kha-hf-vllm (which scripts/install.sh vllm
         # installs), so the remote-code route is tested as a user without the plugin meets it; `with_plugin` names it
         "VLLM_PLUGINS": WITHOUT_PLUGIN,
+        **VLLM_LOG_INFO,
     }
     env.pop("HF_MODULES_CACHE", None)
     env.update(extra)
@@ -106,4 +110,4 @@ def vllm_plugin(vllm_env, tmp_path_factory) -> Path:
 def with_plugin(plugin: Path) -> dict:
     """The environment variables that put the plugin built by `vllm_plugin` in front of vLLM's own packages."""
     path = os.pathsep.join(filter(None, [str(plugin), os.environ.get("PYTHONPATH")]))
-    return {"PYTHONPATH": path, "VLLM_PLUGINS": "kha"}
+    return {"PYTHONPATH": path, "VLLM_PLUGINS": "kha", **VLLM_LOG_INFO}
