@@ -168,10 +168,10 @@ print("REGISTERED" if "KHAForCausalLM" in ModelRegistry.get_supported_archs() el
 """
 
 
-@pytest.mark.parametrize("version,registered", [("0.31.2", False), ("0.32.0", True), ("0.40.0", True)])
-def test_plugin_checks_the_vllm_version(version, registered, vllm_env, vllm_plugin, tmp_path):
+def run_probe(vllm_env, vllm_plugin, tmp_path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """SCRIPT in vLLM's environment with the plugin built from this checkout, no engine started; must exit 0."""
     proc = subprocess.run(
-        [str(vllm_env), "-c", PROBE, version],
+        [str(vllm_env), "-c", script, *args],
         capture_output=True,
         text=True,
         env={**os.environ, **with_plugin(vllm_plugin)},
@@ -179,6 +179,12 @@ def test_plugin_checks_the_vllm_version(version, registered, vllm_env, vllm_plug
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("version,registered", [("0.31.2", False), ("0.32.0", True), ("0.40.0", True)])
+def test_plugin_checks_the_vllm_version(version, registered, vllm_env, vllm_plugin, tmp_path):
+    proc = run_probe(vllm_env, vllm_plugin, tmp_path, PROBE, version)
     ours = [line for line in (proc.stdout + proc.stderr).splitlines() if "kha-hf-vllm" in line]
     assert proc.stdout.strip().endswith("NOT REGISTERED" if not registered else "REGISTERED")
     if version == "0.32.0":
@@ -286,15 +292,7 @@ print(json.dumps(out))
 
 def test_linear_knock_folder_refuses_what_it_cannot_fold(vllm_env, vllm_plugin, tmp_path):
     """The folder's refusals without starting an engine (found by the attack on the plugin)."""
-    proc = subprocess.run(
-        [str(vllm_env), "-c", FOLDER_PROBE],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **with_plugin(vllm_plugin)},
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_probe(vllm_env, vllm_plugin, tmp_path, FOLDER_PROBE)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (
         "linear knocks cannot be folded into model.layers.0.self_attn.q_proj.qweight (torch.int32)" in out["quantized"]
