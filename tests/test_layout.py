@@ -59,3 +59,9 @@ def test_cli_has_one_module_per_subcommand():
     commands = next(a for a in parser._actions if a.dest == "command").choices
     modules = {p.stem for p in (ROOT / "cli").glob("*.py") if not p.stem.startswith("_")}
     assert modules == set(commands)
+
+
+def test_vllm_eval_worker_imports_nothing_of_kha_hf():
+    """kha_hf/eval/vllm_worker.py runs by path in vLLM's environment, where kha_hf is not installed."""
+    path = ROOT / "eval" / "vllm_worker.py"
+    assert not _parts_imported(path, "eval"), "vllm_worker.py imports kha_hf: it cannot run in vLLM's environment"

@@ -23,6 +23,9 @@ RECOMPUTE_IGNORES: dict = dict.fromkeys(
         "perplexity",
         "seed",
         "trust_remote_code",
+        "backend",
+        "vllm_python",
+        "vllm_args",
     ]
 )
 
@@ -44,6 +47,8 @@ def add_parser(sub) -> None:
         "  kha eval --baseline ./smollm2.gguf --candidate ./smollm2-kha --suite quick --limit 100 --local-data\n"
         "  kha eval --candidate ./smollm2-kha --tasks arc_easy hellaswag --perplexity notes.txt\n"
         "  kha eval --baseline HuggingFaceTB/SmolLM2-135M --adapter ./knock-adapter --suite quick\n"
+        "  kha eval --baseline Qwen/Qwen3-8B --candidate ./qwen3-8b-kha --backend vllm \\\n"
+        "      --vllm-python ~/vllm-env/bin/python --vllm-args tensor_parallel_size=8\n"
         "  kha eval --recompute ./kha-eval              # every p again, from per_document.jsonl",
         formatter_class=HelpFormatter,
     )
@@ -63,7 +68,24 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=positive_int, help="documents per task (default: all; for quick checks)")
     p.add_argument("--num-fewshot", type=fewshot_count, help="few-shot examples, 0-128 (default: each task's own)")
     p.add_argument("--batch-size", type=bounded_int(MAX_BATCH), default=8, help="lm-eval batch size")
-    p.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N, mps")
+    p.add_argument(
+        "--backend",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="who scores the documents: transformers in this process (hf), or lm-eval's vllm model in vLLM's "
+        "environment (vllm; KHA checkpoints need the kha-hf-vllm plugin there)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="python of the environment with vLLM and lm-eval (default: $KHA_VLLM_PYTHON, or this one)",
+    )
+    p.add_argument(
+        "--vllm-args",
+        metavar="K=V,...",
+        help="more arguments of lm-eval's vllm model, as its --model_args: tensor_parallel_size=8,enforce_eager=True",
+    )
+    p.add_argument("--device", default="cpu", help="hf backend: where the models run: cpu, cuda, cuda:N, mps")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--output", default="kha-eval", help="new folder for table.md, summary.json and raw results")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output folder of kha eval results")
@@ -109,6 +131,9 @@ def run(args) -> int:
         trust_remote_code=args.trust_remote_code,
         overwrite=args.overwrite,
         adapter=args.adapter,
+        backend=args.backend,
+        vllm_python=args.vllm_python,
+        vllm_model_args=args.vllm_args,
     )
     return 0
 

@@ -27,6 +27,9 @@ from .perplexity import load_evaluate_metric, perplexity
 from .quiet import quiet_lm_eval
 from .suites import resolve_tasks
 
+# Each model's log-likelihood of every choice of every document (write_loglikelihoods).
+LOGLIKELIHOODS_FILE = "loglikelihoods.jsonl"
+
 
 @dataclass
 class ModelResult:
@@ -36,6 +39,15 @@ class ModelResult:
     raw: dict = field(default_factory=dict)
     perplexity: dict | None = None
     per_doc: dict[tuple[str, str], dict] = field(default_factory=dict)  # (task, metric) -> {doc key: score}
+    loglikelihoods: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (task, doc_id) -> per choice
+
+
+@dataclass(frozen=True)
+class VLLMBackend:
+    """`kha eval --backend vllm`: the python of vLLM's environment and vLLM's settings."""
+
+    python: str
+    model_args: dict = field(default_factory=dict)  # more keyword arguments of lm-eval's VLLM (enforce_eager, ...)
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -104,11 +116,33 @@ def evaluate_model(
     task_manager=None,
     trust_remote_code: bool = False,
     adapter: str | None = None,
+    vllm: VLLMBackend | None = None,
 ) -> ModelResult:
     """Load REF (with the knock ADAPTER folder on it, when given) and run lm-eval on it; pass one `task_manager` to
-    several calls to index lm-eval's tasks once."""
+    several calls to index lm-eval's tasks once. With VLLM, lm-eval's `vllm` model scores REF in vLLM's environment
+    (`vllm_lm.py`) instead of transformers in this process; everything else is the same."""
     task_manager = task_manager or new_task_manager()
     prepared = lm_eval_tasks(tasks, local, task_manager)  # before loading: bad names fail fast
+    if vllm is not None:  # --backend vllm: lm-eval's vllm model in vLLM's environment
+        from .vllm_lm import VLLMWorkerLM
+
+        model_args = dict(
+            pretrained=str(ref),
+            dtype=dtype,
+            batch_size=batch_size,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+            **vllm.model_args,
+        )
+        print(f"[{label}] loading {ref} in vLLM ({vllm.python})", flush=True)
+        with VLLMWorkerLM(vllm.python, model_args) as lm:
+            versions = ", ".join(f"{k} {v}" for k, v in lm.info.get("versions", {}).items())
+            result = run_lm_eval(
+                label, f"{ref} (vLLM)", lm, tasks, local, limit, num_fewshot, seed, task_manager, prepared
+            )
+        result.raw["kha_backend"] = {"backend": "vllm", "model_args": model_args, "versions": lm.info.get("versions")}
+        print(f"[{label}] vLLM backend: {versions}")
+        return result
     # code inside REF runs only with trust_remote_code
     model, tokenizer = load_causal_lm(
         ref,
@@ -169,13 +203,32 @@ def evaluate_loaded(
     """lm-eval on a model already in memory, with per-document scores kept for the paired comparison.
 
     `prepared`: the output of `lm_eval_tasks` when the caller already built it."""
-    from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
+
+    with quiet_lm_eval():
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", device=device, batch_size=batch_size)
+    return run_lm_eval(label, ref, lm, tasks, local, limit, num_fewshot, seed, task_manager, prepared)
+
+
+def run_lm_eval(
+    label: str,
+    ref: str,
+    lm,
+    tasks: list[str],
+    local: bool,
+    limit: int | None,
+    num_fewshot: int | None,
+    seed: int,
+    task_manager,
+    prepared: tuple[list, dict] | None = None,
+) -> ModelResult:
+    """lm-eval's `simple_evaluate` on the lm-eval LM `lm` (HFLM, or the vLLM worker), with per-document scores and
+    log-likelihoods kept for the paired comparison."""
+    from lm_eval import simple_evaluate
 
     task_specs, groups = prepared or lm_eval_tasks(tasks, local, task_manager)
     print(f"[{label}] evaluating {ref} on {', '.join(tasks)}" + (f" (limit {limit})" if limit else ""))
     with quiet_lm_eval():
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", device=device, batch_size=batch_size)
         raw = simple_evaluate(
             model=lm,
             tasks=task_specs,
@@ -190,8 +243,35 @@ def evaluate_loaded(
         )
     groups = groups or requested_groups(raw.get("group_subtasks", {}), tasks)
     metrics = summarize(raw["results"], groups, raw.get("n-samples", {}))
-    per_doc = per_document_scores(raw.pop("samples", {}), groups)
-    return ModelResult(label, ref, metrics, raw, None, per_doc)
+    samples = raw.pop("samples", {})
+    per_doc = per_document_scores(samples, groups)
+    return ModelResult(label, ref, metrics, raw, None, per_doc, per_document_loglikelihoods(samples))
+
+
+def write_loglikelihoods(path: Path, results: list[ModelResult]) -> None:
+    """Each model's log-likelihoods per document and choice, as the backend returned them: one JSON line per
+    (model, task, doc_id). Two runs with different backends (or machines) compare on these numbers."""
+    with open(path, "w", encoding="utf-8") as f:
+        for result in results:
+            for (task, doc_id), values in sorted(result.loglikelihoods.items()):
+                record = {"model": result.label, "task": task, "doc_id": doc_id, "loglikelihoods": values}
+                f.write(json.dumps(record) + "\n")
+
+
+def per_document_loglikelihoods(samples: dict) -> dict[tuple[str, int], list[float]]:
+    """lm-eval's logged samples -> (task, doc_id) -> the log-likelihood of each choice (or of the rolling text), as
+    the model returned them (before metrics): what `--backend vllm` is checked against `hf` with."""
+    found: dict[tuple[str, int], list[float]] = {}
+    for task, task_samples in samples.items():
+        for sample in task_samples:
+            values = []
+            for response in sample.get("filtered_resps", []):
+                first = response[0] if isinstance(response, (list, tuple)) and response else response
+                if isinstance(first, (int, float)) and not isinstance(first, bool):
+                    values.append(float(first))
+            if values:
+                found[(task, sample["doc_id"])] = values
+    return found
 
 
 def requested_groups(group_subtasks: dict[str, list[str]], tasks: list[str]) -> dict[str, list[str]]:
@@ -216,6 +296,50 @@ def check_eval_inputs(refs: list[str], limit: int | None, device: str, perplexit
         raise KHAError(f"--perplexity file {perplexity_file} holds no text: nothing to measure")
 
 
+# lm-eval VLLM arguments that kha eval sets from its own options (the same for both models)
+OWN_VLLM_ARGS = {
+    "pretrained": "--baseline/--candidate",
+    "dtype": "--dtype",
+    "batch_size": "--batch-size",
+    "seed": "--seed",
+    "trust_remote_code": "--trust-remote-code",
+}
+
+
+def _vllm_backend(
+    backend: str,
+    refs: list[str],
+    adapter: str | None,
+    perplexity_file: str | None,
+    python: str | None,
+    model_args: str | None,
+) -> VLLMBackend | None:
+    """None for the hf backend; for vllm, what it needs, after refusing in one line what it cannot do."""
+    if backend == "hf":
+        if python is not None or model_args is not None:
+            raise KHAError("--vllm-python and --vllm-args are for --backend vllm")
+        return None
+    if backend != "vllm":
+        raise KHAError(f"unknown backend {backend!r}; choose hf or vllm")
+    if adapter is not None:
+        raise KHAError(
+            "--backend vllm cannot apply a knock adapter (vLLM runs LoRA adapters only): write base + adapter as a "
+            "KHA checkpoint with `kha convert BASE DST --adapter DIR` and evaluate DST as --candidate"
+        )
+    if perplexity_file is not None:
+        raise KHAError("--perplexity runs in transformers: use it with --backend hf")
+    gguf = [ref for ref in refs if str(ref).lower().endswith(".gguf")]
+    if gguf:
+        raise KHAError(f"--backend vllm takes model folders or Hub ids, not {gguf[0]}: use --backend hf for GGUF files")
+    from .vllm_lm import parse_model_args, vllm_python
+
+    extra = parse_model_args(model_args or "")
+    taken = [key for key in extra if key in OWN_VLLM_ARGS]
+    if taken:
+        raise KHAError(f"--vllm-args cannot set {taken[0]}: kha eval sets it from {OWN_VLLM_ARGS[taken[0]]}")
+    return VLLMBackend(vllm_python(python), extra)
+
+
 def run_eval(
     candidate: str | None,
     baseline: str | None = None,
@@ -233,9 +357,17 @@ def run_eval(
     trust_remote_code: bool = False,
     overwrite: bool = False,
     adapter: str | None = None,
+    backend: str = "hf",
+    vllm_python: str | None = None,
+    vllm_model_args: str | None = None,
 ) -> dict:
     """Evaluate CANDIDATE (and BASELINE) with identical settings; write table.md, summary.json, the per-document
     scores and the raw results to OUTPUT, which appears when complete (an existing one only with `overwrite`).
+
+    BACKEND "vllm": both models are scored by lm-eval's `vllm` model in the environment of VLLM_PYTHON (default:
+    $KHA_VLLM_PYTHON, or this one if vLLM imports here), with VLLM_MODEL_ARGS ("k=v,k=v" as lm-eval's --model_args:
+    tensor_parallel_size=8, enforce_eager=True, ...) passed to it; tasks, metrics and statistics are computed here
+    as with "hf".
 
     ADAPTER: a knock adapter folder (PEFT) of BASELINE; the candidate is then BASELINE with the adapter (CANDIDATE
     must be None), so the comparison is base vs base + adapter, paired per document."""
@@ -249,6 +381,8 @@ def run_eval(
         raise KHAError("--candidate is required (or --baseline with --adapter)")
     task_names = resolve_tasks(tasks, suite)
     check_eval_inputs([r for r in (baseline, candidate) if r], limit, device, perplexity_file)
+    refs = [r for r in (baseline, candidate) if r]
+    vllm = _vllm_backend(backend, refs, adapter, perplexity_file, vllm_python, vllm_model_args)
     final = check_run_destination(
         output, [baseline, candidate, adapter], [perplexity_file] if perplexity_file else [], overwrite
     )
@@ -290,7 +424,9 @@ def run_eval(
     metric = None
     if perplexity_file and not local_data:
         metric = load_evaluate_metric([r for r in (baseline, candidate) if r])
-    shared = dict(perplexity_metric=metric, task_manager=new_task_manager(), trust_remote_code=trust_remote_code)
+    shared = dict(
+        perplexity_metric=metric, task_manager=new_task_manager(), trust_remote_code=trust_remote_code, vllm=vllm
+    )
     base_result = evaluate_model("baseline", baseline, **settings, **shared) if baseline else None
     if adapter is None:
         cand_result = evaluate_model("candidate", candidate, **settings, **shared)
@@ -302,7 +438,11 @@ def run_eval(
         "baseline": baseline,
         "candidate": candidate if adapter is None else f"{baseline} + adapter {adapter}",
         "adapter": adapter,
-        "settings": dict(settings),
+        "settings": {
+            **settings,
+            "backend": backend,
+            **({"vllm_args": vllm.model_args} if vllm else {}),
+        },
         "local_data_notes": local_notes,
         "rows": rows,
         "perplexity": {r.label: r.perplexity for r in (base_result, cand_result) if r is not None and r.perplexity},
@@ -314,8 +454,9 @@ def run_eval(
                 (output / f"{result.label}_lm_eval.json").write_text(json.dumps(raw, indent=2, default=str))
         if base_result is not None:
             write_per_document(output / PER_DOCUMENT_FILE, per_document_records(base_result, cand_result))
+        write_loglikelihoods(output / LOGLIKELIHOODS_FILE, [r for r in (base_result, cand_result) if r is not None])
         (output / "table.md").write_text(table)
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
     print(table)
-    print(f"wrote {final / 'table.md'}, {final / 'summary.json'}, the per-document scores and the raw lm-eval results")
+    print(f"wrote {final / 'table.md'}, {final / 'summary.json'}, per-document scores and log-likelihoods, raw results")
     return summary
