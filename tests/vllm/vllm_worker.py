@@ -17,7 +17,14 @@ import sys
 import time
 
 
-def _llm(path: str, impl: str | None, max_model_len: int, eager: bool = True, trust_remote_code: bool = True):
+def _llm(
+    path: str,
+    impl: str | None,
+    max_model_len: int,
+    eager: bool = True,
+    trust_remote_code: bool = True,
+    tensor_parallel_size: int = 1,
+):
     """vLLM's LLM on PATH, float32; IMPL None leaves `model_impl` at vLLM's default, as a user who passes nothing."""
     from vllm import LLM
 
@@ -29,6 +36,7 @@ def _llm(path: str, impl: str | None, max_model_len: int, eager: bool = True, tr
         max_model_len=max_model_len,
         enforce_eager=eager,
         seed=0,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -54,6 +62,7 @@ def generate(job: dict) -> dict:
                 model.get("impl", "transformers"),
                 job["max_model_len"],
                 trust_remote_code=model.get("trust_remote_code", True),
+                tensor_parallel_size=model.get("tensor_parallel_size", 1),
             )
         except Exception as err:  # reported to the test, which decides whether this model must load
             results[model["path"]] = {"error": f"{type(err).__name__}: {err}"}
