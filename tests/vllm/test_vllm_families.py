@@ -100,4 +100,9 @@ def test_family_in_vllm(family, family_runs):
     atol = LOGPROB_ATOL["default"] + stock_worst
     assert worst <= atol, f"{family}: log-probabilities differ by up to {worst:.2e} (stock in vLLM: {stock_worst:.2e})"
     assert got["tokens"] == expected, f"{family}: vLLM {got['tokens']} != transformers {expected} (gap {margin:.1e})"
-    assert stock != expected, f"{family}: the perturbed knocks do not change the greedy tokens"
+    # the knocks must visibly act: other greedy tokens, or (a tiny model that repeats its tokens either way, as
+    # Qwen3-MoE here: 0.09) log-probabilities moved by far more than vLLM's allowed difference from transformers
+    moved = max(shared_path_differences(expected, logprobs, stock, stock_logprobs), default=0.0)
+    assert stock != expected or moved > 10 * atol, (
+        f"{family}: the perturbed knocks change nothing visible ({moved:.1e})"
+    )
