@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kha {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM/SIGHUP while writing a checkpoint
-        print(f"kha {args.command}: {err or 'interrupted'}", file=sys.stderr)
+        print(f"kha {args.command}: {str(err) or 'interrupted'}", file=sys.stderr)
         return 130
     except RecursionError:  # a hostile file nested thousands deep, past the checks that name it
         print(f"kha {args.command}: error: an input file nests too deeply to be read", file=sys.stderr)

@@ -304,6 +304,20 @@ OWN_VLLM_ARGS = {
     "seed": "--seed",
     "trust_remote_code": "--trust-remote-code",
 }
+# Arguments that would make vLLM score something other than the model the table names (lm-eval passes its extra
+# arguments over its own `pretrained`: `model=X` scored X as both models, found by the attack), or load more code
+# or weights than the model's own.
+MODEL_CHOOSING_VLLM_ARGS = (
+    "model",
+    "tokenizer",
+    "revision",
+    "tokenizer_revision",
+    "code_revision",
+    "lora_local_path",
+    "hf_overrides",
+    "hf_config_path",
+    "speculative_config",
+)
 
 
 def _vllm_backend(
@@ -337,6 +351,12 @@ def _vllm_backend(
     taken = [key for key in extra if key in OWN_VLLM_ARGS]
     if taken:
         raise KHAError(f"--vllm-args cannot set {taken[0]}: kha eval sets it from {OWN_VLLM_ARGS[taken[0]]}")
+    choosing = [key for key in extra if key in MODEL_CHOOSING_VLLM_ARGS]
+    if choosing:
+        raise KHAError(
+            f"--vllm-args cannot set {choosing[0]}: it would change which model is scored, while the table names "
+            "--baseline/--candidate; give the model you mean there"
+        )
     return VLLMBackend(vllm_python(python), extra)
 
 
@@ -380,9 +400,15 @@ def run_eval(
     elif candidate is None:
         raise KHAError("--candidate is required (or --baseline with --adapter)")
     task_names = resolve_tasks(tasks, suite)
-    check_eval_inputs([r for r in (baseline, candidate) if r], limit, device, perplexity_file)
     refs = [r for r in (baseline, candidate) if r]
+    if backend == "vllm" and device != "cpu":
+        raise KHAError(
+            "--device is for --backend hf: vLLM runs on the devices of its build (CUDA_VISIBLE_DEVICES picks GPUs)"
+        )
+    check_eval_inputs(refs, limit, device if backend == "hf" else "cpu", perplexity_file)
     vllm = _vllm_backend(backend, refs, adapter, perplexity_file, vllm_python, vllm_model_args)
+    if vllm is not None:
+        device = None  # not used: recorded as such in summary.json
     final = check_run_destination(
         output, [baseline, candidate, adapter], [perplexity_file] if perplexity_file else [], overwrite
     )

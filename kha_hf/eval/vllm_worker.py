@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
+import time
 
 _LOADED: list = []  # the model, once loaded: its engine is shut down before exit
 REQUEST_TYPES = ("loglikelihood", "loglikelihood_rolling", "generate_until")
@@ -73,7 +76,23 @@ def _lm_eval_vllm_class():
     return VLLM
 
 
+def _leave_with_parent() -> None:
+    """End this worker (and vLLM's engine processes) when kha eval is gone, killed or not, even while the model
+    loads: the request pipe's EOF is read only between requests."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        if os.getpgrp() == os.getpid():  # kha eval made this worker a group leader: end vLLM's processes too
+            os.killpg(os.getpid(), signal.SIGKILL)
+        _exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="kha-parent-watch").start()
+
+
 def main(argv: list[str]) -> int:
+    _leave_with_parent()
     model_args = json.loads(argv[1])
     requests_in = os.fdopen(int(argv[2]), "r")
     replies = os.fdopen(int(argv[3]), "w")
