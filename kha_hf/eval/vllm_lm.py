@@ -105,7 +105,6 @@ class VLLMWorkerLM(LM):
     def __init__(self, python: str, model_args: dict) -> None:
         super().__init__()
         self.python = python
-        self.model_args = dict(model_args)
         request_read, request_write = os.pipe()
         reply_read, reply_write = os.pipe()
         try:

@@ -84,9 +84,9 @@ def _leave_with_parent() -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1)
-        if os.getpgrp() == os.getpid():  # kha eval made this worker a group leader: end vLLM's processes too
-            os.killpg(os.getpid(), signal.SIGKILL)
-        _exit(1)
+        if os.getpgrp() == os.getpid():  # kha eval made this worker a group leader: the group is vLLM's processes
+            os.killpg(os.getpid(), signal.SIGKILL)  # and this worker, which ends here
+        _exit(1)  # run by hand, outside a group of its own: shut the engine down and leave
 
     threading.Thread(target=watch, daemon=True, name="kha-parent-watch").start()
 
