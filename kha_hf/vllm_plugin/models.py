@@ -11,7 +11,8 @@ its layer's knocks have arrived (knocks are tiny; a projection waits only when i
 An MLP knock `2 * (x W_up * sigmoid(x W_gate)) W_down` runs as three kernels once loaded (`GLUKnock`): one matmul
 for [W_up; W_gate], torch's `glu` (a * sigmoid(b), bit-identical to the two ops on CPU), and one matmul with 2 W_down
 (exact: scaling by a power of two commutes with rounding), instead of six (vLLM's own fuser already merged up and
-gate; the split, sigmoid, doubling and product remained).
+gate; the split, sigmoid, doubling and product remained). Where the layer allows it, an MLP value knock goes
+further (`value_fold`): its down map folds into o_proj (attention is linear in V), leaving two kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from vllm.model_executor.models.transformers import TransformersForCausalLM, Tra
 
 from ..modeling.families import family_spec, segment_rows
 from ..modeling.knocks import fold_projection
+from . import value_fold
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -202,7 +204,13 @@ class _KHALoading:
         knocked = set(config.knocked_layers)
         sites = {p: i for p, i in sites.items() if i in knocked}
         self._kha_folder = LinearKnockFolder(config, sites)
-        self._kha_mlp_knocks = MLPKnockCapture(config, sites)
+        # MLP value knocks: the down map folded into o_proj where the layer allows it (value_fold), else GLUKnock
+        quantized = vllm_config.quant_config is not None
+        value_sites = {
+            p: i for p, i in sites.items() if value_fold.foldable(config, self.model.get_submodule(p), quantized)
+        }
+        self._kha_value_folder = value_fold.ValueKnockFolder(value_sites, config.kha_head_dim)
+        self._kha_mlp_knocks = MLPKnockCapture(config, {p: i for p, i in sites.items() if p not in value_sites})
         folded = ", ".join(self._kha_folder.linear) or "none"
         logger.info(
             "kha-hf-vllm: %s (%s base; knocks q %s, k %s, v %s; linear knocks folded into the projections: %s)",
@@ -227,12 +235,18 @@ class _KHALoading:
             self.config = self.text_config = config
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = super().load_weights(self._kha_mlp_knocks(self._kha_folder(checked_knocks(weights))))
+        stream = self._kha_value_folder(self._kha_folder(checked_knocks(weights)))
+        loaded = super().load_weights(self._kha_mlp_knocks(stream))
         # vLLM checks LOADED against the parameters it listed before loading: the folded linear knocks have none, and
-        # the MLP knocks' parameters were loaded before their modules are swapped for GLUKnocks here
+        # the MLP knocks' parameters were loaded before their modules are swapped for GLUKnocks / GatedUpKnocks here
         swapped = self._kha_mlp_knocks.install(self.model)
         if swapped:
             logger.info("kha-hf-vllm: %d MLP knocks run as up+gate matmul, glu, down matmul", swapped)
+        folded = self._kha_value_folder.install(self.model)
+        if folded:
+            logger.info(
+                "kha-hf-vllm: %d MLP value knocks run as up+gate matmul and glu, down folded into o_proj", folded
+            )
         return loaded
 
 

@@ -117,9 +117,13 @@ def test_plugin_resolves_kha_to_its_classes(plugin_run):
         model_type = tiny_config(family).model_type
         line = f"({model_type} base; knocks {KNOCKS[preset]}; linear knocks folded into the projections: {folded})"
         assert line in log, f"{name}: no plugin line {line!r}"
-    # MLP knocks swapped for GLUKnock (one up+gate matmul, glu, one down matmul), one line per MLP checkpoint
+    # MLP value knocks with their down map folded into o_proj (value_fold): every layer of both MLP checkpoints
+    # (qwen3, qwen3_moe: the value projection holds the value heads alone, o_proj right after the kernel)
     mlp = sum(preset == "mlp_v" for _, preset in CASES.values())
-    assert log.count("MLP knocks run as up+gate matmul, glu, down matmul") == mlp
+    layers = tiny_config("qwen3").num_hidden_layers
+    line = f"kha-hf-vllm: {layers} MLP value knocks run as up+gate matmul and glu, down folded into o_proj"
+    assert log.count(line) == mlp, log[-3000:]
+    assert "MLP knocks run as up+gate matmul, glu" not in log, "a layer that could be folded ran its knock unfolded"
     assert "checkpoint folder's code was executed" not in log
 
 
