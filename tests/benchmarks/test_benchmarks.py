@@ -25,3 +25,31 @@ def test_benchmark_quick_mode_reports(script, extra_args, expected):
     assert out.returncode == 0, out.stderr[-3000:]
     for text in expected:
         assert text in out.stdout, out.stdout
+
+
+def test_vllm_throughput_table_pairs_rounds():
+    """benchmarks/vllm_throughput.py's paired table: each model's ratio is the geometric mean over rounds of its rate
+    over the base's in the same round (not a ratio of medians), with a t-interval over rounds. Its --quick mode needs
+    vLLM's environment and four engines (minutes): it ran by hand, see README."""
+    import importlib.util
+    import math
+
+    spec = importlib.util.spec_from_file_location("vllm_throughput", BENCHMARKS / "vllm_throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    base = [10.0, 20.0, 40.0]
+    other = [11.0, 22.0, 44.0]  # 1.1x the base in every round, though the rounds differ fourfold
+    keys = ("batch1", "concurrent4", "batch1 per cpu-second", "concurrent4 per cpu-second")
+
+    def entry(values):
+        return {"batch1": sorted(values)[1], "concurrent4": sorted(values)[1], "rounds": dict.fromkeys(keys, values)}
+
+    text = module.table({"base (transformers backend)": entry(base), "kha": entry(other)}, 4, paired=True)
+    row = next(line for line in text.splitlines() if line.startswith("| kha |"))
+    assert row.count("1.100x") == 4, row  # tokens/s and per CPU-second, batch 1 and concurrent
+    assert "[" not in row, "equal ratios in every round have no spread: no interval"
+    noisy = [11.0, 18.0, 44.0]
+    text = module.table({"base (transformers backend)": entry(base), "kha": entry(noisy)}, 4, paired=True)
+    row = next(line for line in text.splitlines() if line.startswith("| kha |"))
+    mean = math.exp(sum(math.log(o / b) for o, b in zip(noisy, base, strict=True)) / 3)
+    assert f"{mean:.3f}x [" in row, row

@@ -80,13 +80,17 @@ def generate(job: dict) -> dict:
 
 
 def throughput(job: dict) -> dict:
-    """Output tokens/s at batch 1 (one request at a time) and with N requests submitted together, per model."""
+    """Output tokens/s at batch 1 (one request at a time) and with N requests submitted together, per model: the
+    median over rounds and every round's value. With "interleave", all models are loaded at once and each round times
+    every model in turn (a rotating order), so a slow spell of a shared machine hits all of them alike and the rounds
+    pair up; otherwise each model is loaded, timed for all its rounds and released before the next."""
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
     prompt = TokensPrompt(prompt_token_ids=job["prompt"])
-    results = {}
-    for model in job["models"]:
+    kinds = (("batch1", 1), (f"concurrent{job['concurrent']}", job["concurrent"]))
+
+    def load(model):
         llm = _llm(
             model["path"],
             model.get("impl", "transformers"),
@@ -95,16 +99,55 @@ def throughput(job: dict) -> dict:
             trust_remote_code=model.get("trust_remote_code", True),
         )
         llm.generate([prompt], params, use_tqdm=False)  # warm-up
-        rates = {"batch1": [], f"concurrent{job['concurrent']}": []}
-        for _ in range(job["rounds"]):
-            for name, count in (("batch1", 1), (f"concurrent{job['concurrent']}", job["concurrent"])):
-                start = time.perf_counter()
-                outputs = llm.generate([prompt] * count, params, use_tqdm=False)
-                elapsed = time.perf_counter() - start
-                rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
-        results[model["name"]] = {name: statistics.median(values) for name, values in rates.items()}
-        results[model["name"]]["rounds"] = rates
-        _release(llm)
+        return llm
+
+    def cpu_seconds() -> float:
+        """CPU time used so far by this process and its children (vLLM's engine cores and workers; idle ones add
+        nothing): unlike wall time, it does not count the time a busy shared machine keeps the work waiting."""
+        import psutil
+
+        processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
+        total = 0.0
+        for process in processes:
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
+
+    def one_round(llm, rates):
+        for name, count in kinds:
+            time.sleep(job.get("pause", 0.0))  # let the previous engine's threads go idle
+            cpu, start = cpu_seconds(), time.perf_counter()
+            outputs = llm.generate([prompt] * count, params, use_tqdm=False)
+            elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            rates[name].append(tokens / elapsed)
+            rates[f"{name} per cpu-second"].append(tokens / cpu)
+
+    rates = {
+        model["name"]: {key: [] for name, _ in kinds for key in (name, f"{name} per cpu-second")}
+        for model in job["models"]
+    }
+    if job.get("interleave"):
+        llms = [load(model) for model in job["models"]]
+        for r in range(job["rounds"]):
+            for i in range(len(llms)):
+                k = (r + i) % len(llms)
+                one_round(llms[k], rates[job["models"][k]["name"]])
+        for llm in llms:
+            _release(llm)
+    else:
+        for model in job["models"]:
+            llm = load(model)
+            for _ in range(job["rounds"]):
+                one_round(llm, rates[model["name"]])
+            _release(llm)
+    results = {}
+    for name, per_kind in rates.items():
+        results[name] = {kind: statistics.median(values) for kind, values in per_kind.items()}
+        results[name]["rounds"] = per_kind
     return results
 
 
