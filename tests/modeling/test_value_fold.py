@@ -126,3 +126,30 @@ def test_a_knock_stored_twice_is_refused():
     stream = [*tensors.items(), (name, torch.eye(D))]  # a second copy later in the stream (another shard)
     with pytest.raises(ValueError, match=r"v_knock\.up\.weight is stored twice"):
         dict(ValueKnockFolder({SITE: 0}, D)(stream))
+
+
+@pytest.mark.parametrize(
+    "family, knock, quantized, expected",
+    [
+        ("qwen3", "mlp_v", False, True),  # separate v_proj, o_proj right after the kernel
+        ("llama_bias", "mlp_v_linear_qk", False, True),  # o_proj with a bias (added after the heads mix)
+        ("gemma3_text", "mlp_v", False, True),
+        ("phi3", "mlp_v", False, False),  # fused qkv_proj on disk: the value rows are a block of it (GLUKnock then)
+        ("qwen3_next", "mlp_v", False, False),  # an output gate between the kernel and o_proj
+        ("qwen3", "linear_v", False, False),  # no MLP knock (linear knocks fold into the projections instead)
+        ("qwen3", "mlp_v", True, False),  # quantized weights cannot take a fold
+    ],
+)
+def test_foldable_only_where_the_algebra_holds(family, knock, quantized, expected):
+    """`foldable` on the attention modules transformers builds for a KHA model of FAMILY (vLLM builds the same HF
+    modules, with its own linear layers): True only where o_proj directly follows the kernel and v_proj holds the
+    value heads alone."""
+    from kha_hf import KHAConfig, KHAForCausalLM
+    from kha_hf.vllm_plugin.value_fold import foldable
+    from tests.helpers import tiny_config
+
+    config = KHAConfig.from_base(tiny_config(family), knock=knock)
+    model = KHAForCausalLM(config)
+    attentions = [m for m in model.modules() if hasattr(m, "_kha_plans")]  # every knocked layer's attention
+    assert attentions
+    assert {foldable(config, a, quantized) for a in attentions} == {expected}
