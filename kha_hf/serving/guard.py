@@ -151,15 +151,22 @@ class ServeGuard:
             await self.app(scope, receive, send)  # lifespan events
             return
         path, method = scope["path"].rstrip("/") or "/", scope["method"]
+        if method == "HEAD":
+            send = _without_body(send)  # a HEAD answer carries no body, whatever its status (RFC 9110 9.3.2)
         try:
             header_bytes = sum(len(name) + len(value) for name, value in scope["headers"])
             if header_bytes > MAX_HEADER_BYTES:  # uvicorn caps only headers still arriving, not a block read at once
                 raise RequestError(431, f"request headers of {header_bytes} bytes; the limit is {MAX_HEADER_BYTES}")
-            if path == "/health" and method == "GET":
+            if path == "/health" and method in ("GET", "HEAD"):
                 stuck = self.registry.longest_running()
                 if stuck > self.limits.request_timeout + 30:
                     raise RequestError(503, f"a generation has been running for {stuck:.0f} s: the server is stuck")
-            if path in READ_PATHS and method in ("GET", "OPTIONS", "HEAD"):
+            if path in READ_PATHS and method == "HEAD":
+                # transformers' FastAPI routes take GET only and answer HEAD with 405 (transformers 5.24); load
+                # balancers probe with HEAD, which is GET without the body
+                await self.app({**scope, "method": "GET"}, receive, send)
+                return
+            if path in READ_PATHS and method in ("GET", "OPTIONS"):
                 await self.app(scope, receive, send)
                 return
             if path in REFUSED_PATHS:
@@ -276,6 +283,17 @@ def _finite_float(text: str) -> float:
     if value in (float("inf"), float("-inf")):
         raise ValueError(f"{text} overflows a float")
     return value
+
+
+def _without_body(send):
+    """SEND, passing every response's start (status, headers: content-length stays the GET's) and no body bytes."""
+
+    async def send_head(message) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return send_head
 
 
 async def _answer(send, err: RequestError) -> None:

@@ -239,8 +239,8 @@ def test_a_disconnected_client_stops_its_generation(long_context_server, stream)
     assert quick.status_code == 200
 
 
-def _get(asgi_app, path: str) -> tuple[int, bytes]:
-    """One GET through an ASGI application, without a server."""
+def _get(asgi_app, path: str, method: str = "GET") -> tuple[int, bytes]:
+    """One GET (or METHOD) through an ASGI application, without a server."""
     import asyncio
 
     sent = []
@@ -251,7 +251,7 @@ def _get(asgi_app, path: str) -> tuple[int, bytes]:
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "GET", "path": path, "headers": []}
+    scope = {"type": "http", "method": method, "path": path, "headers": []}
     asyncio.run(asgi_app(scope, receive, send))
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
@@ -267,8 +267,20 @@ def test_health_reports_a_stuck_generation():
     registry.running[1] = time.monotonic() - 40  # a generation started 40 s ago: past 5 s + 30 s of grace
     status, body = _get(guard, "/health")
     assert status == 503 and b"stuck" in body
+    assert _get(guard, "/health", "HEAD") == (503, b"")
     del registry.running[1]
     assert _get(guard, "/health")[0] == 200
+
+
+def test_head_on_health_and_models_answers_as_get_without_a_body(served):
+    """Load balancers probe with HEAD; transformers' GET-only routes would answer 405."""
+    _, base, _ = served
+    for path in ("/health", "/v1/models"):
+        got, head = requests.get(f"{base}{path}", timeout=30), requests.head(f"{base}{path}", timeout=30)
+        assert got.status_code == 200 and got.content, path
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code, head.content[:200])
+        assert head.headers.get("content-type") == got.headers.get("content-type")
+    assert requests.head(f"{base}/v1/chat/completions", timeout=30).status_code == 405  # generation takes POST
 
 
 def test_load_test_keeps_every_well_formed_request_answered(served):
