@@ -185,6 +185,10 @@ class LinearKnockFolder:
             )
 
 
+def _lora_enabled(vllm_config) -> bool:
+    return getattr(vllm_config, "lora_config", None) is not None
+
+
 class _KHALoading:
     """Shared by the dense and the MoE class: build without linear knocks, fold them in while loading."""
 
@@ -203,11 +207,17 @@ class _KHALoading:
         }
         knocked = set(config.knocked_layers)
         sites = {p: i for p, i in sites.items() if i in knocked}
-        self._kha_folder = LinearKnockFolder(config, sites)
+        # With LoRA adapters nothing is folded: a LoRA on q/k/v/o_proj adds its own term to the very projections a
+        # fold changes (the knock acts on the projection's output, LoRA term included; the folded o_proj would
+        # meet a LoRA term computed on unknocked features)
+        lora = _lora_enabled(vllm_config)
+        self._kha_folder = LinearKnockFolder(config, {} if lora else sites)
         # MLP value knocks: the down map folded into o_proj where the layer allows it (value_fold), else GLUKnock
         quantized = vllm_config.quant_config is not None
         value_sites = {
-            p: i for p, i in sites.items() if value_fold.foldable(config, self.model.get_submodule(p), quantized)
+            p: i
+            for p, i in sites.items()
+            if not lora and value_fold.foldable(config, self.model.get_submodule(p), quantized)
         }
         self._kha_value_folder = value_fold.ValueKnockFolder(value_sites, config.kha_head_dim)
         self._kha_mlp_knocks = MLPKnockCapture(config, {p: i for p, i in sites.items() if p not in value_sites})
@@ -227,7 +237,9 @@ class _KHALoading:
         traces, fuses and runs is the base family's graph in those places (the checkpoint's knocks are folded into
         the projections instead, `load_weights`). vLLM's own `model_config.hf_config` stays as it was."""
         super()._patch_config()
-        if any(getattr(self.config, f"knock_{t}") == "linear" for t in TARGETS):
+        if _lora_enabled(self.vllm_config):
+            logger.info("kha-hf-vllm: LoRA is enabled, so no knock is folded into the projections")
+        elif any(getattr(self.config, f"knock_{t}") == "linear" for t in TARGETS):
             config = copy.deepcopy(self.config)
             for target in TARGETS:
                 if getattr(config, f"knock_{target}") == "linear":

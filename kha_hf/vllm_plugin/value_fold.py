@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..modeling.families import FAMILIES
+
 # The family's attention feeds the attention output, only reshaped, to o_proj: nothing (an output gate, Qwen3-Next)
 # acts on the per-head features between the kernel and o_proj, so the down map can move into o_proj.
 _OUTPUT_PATTERN = re.compile(
@@ -60,12 +62,16 @@ def foldable(config, attention: nn.Module, quantized: bool) -> bool:
         return False  # the value projection holds more than the value heads (fused qkv on disk, MLA segments)
     if not isinstance(getattr(attention, "o_proj", None), nn.Module):
         return False
+    if config.base_model_type not in FAMILIES:
+        return False  # a family outside the table (tried with the standard layout): its code was never read here
     family = _family_attention(attention)
     try:
         source = inspect.getsource(family.forward)
-    except (TypeError, OSError):
+    except (TypeError, OSError, AttributeError):
         return False
-    return bool(_OUTPUT_PATTERN.search(source)) and "v_norm" not in source
+    # Nothing may act on the values between the knock and the kernel: a norm, or a clamp (OLMo's clip_qkv)
+    touched = any(word in source for word in ("v_norm", "clamp", "clip_qkv"))
+    return bool(_OUTPUT_PATTERN.search(source)) and not touched
 
 
 class ValueKnockFolder:
@@ -81,6 +87,8 @@ class ValueKnockFolder:
         self.head_dim = head_dim  # d: each knock map is a float (d, d) matrix
         self.knocks: dict[str, dict[str, torch.Tensor]] = {}  # site -> part -> (d, d) weight
         self.waiting: dict[str, tuple[torch.Tensor, str]] = {}  # o_proj weight name -> (tensor, site)
+        self.folded: set[str] = set()  # sites whose o_proj weight went out folded
+        self.installed = False
 
     def _locate(self, name: str) -> tuple[str | None, str]:
         """(site, what) of `model.layers.3.self_attn.v_knock.up.weight` ("up") or `...o_proj.weight` ("o_proj"),
@@ -111,13 +119,23 @@ class ValueKnockFolder:
         if not weight.is_floating_point() or weight.dim() != 2 or weight.shape[1] % d:
             raise ValueError(
                 f"KHA checkpoint refused: the MLP value knock's down map cannot be folded into {name} "
-                f"({weight.dtype}, shape {tuple(weight.shape)}): fold it with `kha fold` before quantizing"
+                f"({weight.dtype}, shape {tuple(weight.shape)}): it folds only into a float (hidden, heads x {d})"
             )
+        self.folded.add(site)
         heads = weight.double().unflatten(1, (-1, d))  # (hidden, n_heads, d)
         folded = heads @ (2 * self.knocks[site]["down"].double())
         return folded.flatten(1).to(torch.promote_types(weight.dtype, torch.float32))  # vLLM casts to its dtype
 
     def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.installed:  # a later load (vLLM's reload_weights, a weight update): the folded layers cannot take it
+            for name, tensor in weights:
+                if self._locate(name)[0] is not None:
+                    raise ValueError(
+                        f"kha-hf-vllm: {name} cannot be reloaded: this layer's MLP value knock was folded into its "
+                        "o_proj at load; load the model again instead"
+                    )
+                yield name, tensor
+            return
         for name, tensor in weights:
             site, what = self._locate(name)
             if site is None:
@@ -133,6 +151,12 @@ class ValueKnockFolder:
             else:
                 self.waiting[name] = (tensor, site)
         incomplete = [s for s in self.sites if len(self.knocks.get(s, {})) != len(self.PARTS)]
+        unfolded = [s for s in self.sites if s not in self.folded and s not in incomplete]
+        if unfolded:  # vLLM itself would serve an uninitialised o_proj (it does not check unquantized linears)
+            raise ValueError(
+                f"KHA checkpoint refused: {unfolded[0]}.o_proj.weight is missing from the checkpoint (layer "
+                f"{self.sites[unfolded[0]]})"
+            )
         if incomplete:
             missing = [p for p in self.PARTS if p not in self.knocks.get(incomplete[0], {})]
             raise ValueError(
@@ -149,4 +173,5 @@ class ValueKnockFolder:
             attention.v_knock = GatedUpKnock(parts["up"], parts["gate"]).to(reference.device, reference.dtype)
         count = len(self.knocks)
         self.knocks.clear()
+        self.installed = True
         return count

@@ -153,3 +153,38 @@ def test_foldable_only_where_the_algebra_holds(family, knock, quantized, expecte
     attentions = [m for m in model.modules() if hasattr(m, "_kha_plans")]  # every knocked layer's attention
     assert attentions
     assert {foldable(config, a, quantized) for a in attentions} == {expected}
+
+
+def test_a_layer_without_its_o_proj_is_refused():
+    """vLLM does not check that an unquantized linear layer was loaded: it would serve an uninitialised o_proj."""
+    tensors, _ = layer_tensors()
+    del tensors[f"model.{SITE}.o_proj.weight"]
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.o_proj\.weight is missing"):
+        dict(ValueKnockFolder({SITE: 0}, D)(tensors.items()))
+
+
+def test_a_later_load_passes_other_tensors_and_refuses_the_folded_layers():
+    """vLLM's reload_weights or a weight update after the first load: a folded layer cannot take new weights (its
+    knocks are gone into o_proj); every other tensor goes through."""
+    tensors, _ = layer_tensors()
+    folder = ValueKnockFolder({SITE: 0}, D)
+    dict(folder(tensors.items()))
+    folder.install(Body())
+    embedding = torch.zeros(3, HIDDEN)
+    assert list(folder([("model.embed_tokens.weight", embedding)])) == [("model.embed_tokens.weight", embedding)]
+    with pytest.raises(ValueError, match=r"o_proj\.weight cannot be reloaded"):
+        list(folder([(f"model.{SITE}.o_proj.weight", tensors[f"model.{SITE}.o_proj.weight"])]))
+
+
+def test_olmo_with_clip_qkv_is_not_folded():
+    """OLMo clamps the values after the knock (clip_qkv): moving the down map past the clamp changes the result. A
+    family outside kha-hf's table (tried with the standard layout) never gets the fold (found by an attack)."""
+    from transformers import OlmoConfig
+
+    from kha_hf import KHAConfig, KHAForCausalLM
+    from kha_hf.vllm_plugin.value_fold import foldable
+    from tests.helpers import COMMON
+
+    config = KHAConfig.from_base(OlmoConfig(**COMMON, clip_qkv=0.05), knock="mlp_v")
+    attentions = [m for m in KHAForCausalLM(config).modules() if hasattr(m, "_kha_plans")]
+    assert attentions and not any(foldable(config, a, False) for a in attentions)
