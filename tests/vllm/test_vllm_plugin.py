@@ -151,6 +151,40 @@ def test_plugin_tensor_parallel_two_ranks_token_exact(plugin_checkpoints, plugin
         assert stock != expected
 
 
+def test_plugin_with_a_lora_adapter_matches_peft(vllm_env, vllm_plugin, tmp_path):
+    """A PEFT LoRA on o_proj and v_proj of a KHA-MLP model, served by vLLM with `enable_lora`: the plugin folds no
+    knock then (a LoRA adds its term to the very projections a fold changes; with the down map folded into o_proj
+    vLLM served other tokens than PEFT, found by an attack). Tokens equal PEFT's in transformers."""
+    from peft import LoraConfig, get_peft_model
+
+    config = tiny_config("llama", num_key_value_heads=1)
+    config.vocab_size, config.head_dim = 300, 32
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    save_tiny_tokenizer(tmp_path / "llama")
+    assert main(["convert", str(tmp_path / "llama"), str(tmp_path / "kha-identity"), "--knock", "mlp_v"]) == 0
+    perturbed_copy(tmp_path / "kha-identity", tmp_path / "kha", 0.5)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "kha")
+    model = KHAForCausalLM.from_pretrained(tmp_path / "kha").eval()
+    without = greedy(model, tokenizer)[1]
+    torch.manual_seed(0)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["o_proj", "v_proj"], init_lora_weights=False)
+    adapted = get_peft_model(model, lora).eval()
+    adapted.save_pretrained(tmp_path / "adapter")
+    prompts, expected, _, _ = greedy(adapted, tokenizer)
+    assert expected != without, "the LoRA does not change the greedy tokens; nothing is shown"
+    entry = {"path": str(tmp_path / "kha"), "impl": None, "trust_remote_code": False}
+    run = {**entry, "lora": str(tmp_path / "adapter"), "lora_rank": 8}
+    job = {"mode": "generate", "max_tokens": NEW_TOKENS, "max_model_len": 128, "prompts": prompts, "models": [run]}
+    (tmp_path / "job").mkdir()
+    out = run_worker(vllm_env, job, tmp_path / "job", env=with_plugin(vllm_plugin))
+    got = out[str(tmp_path / "kha")]
+    assert "error" not in got, got.get("error")
+    assert got["tokens"] == expected, f"vLLM {got['tokens']} != PEFT {expected}"
+    assert "kha-hf-vllm: LoRA is enabled, so no knock is folded into the projections" in out["_log"]
+    assert "folded into o_proj" not in out["_log"]
+
+
 def test_without_the_plugin_the_same_call_fails(plugin_checkpoints, vllm_env, tmp_path):
     """Proves the plugin is what makes `LLM(model=DIR)` work (the remote-code route needs the flags)."""
     out = run_worker(vllm_env, job(plugin_checkpoints, ["qwen3-mlp_v"]), tmp_path, env={"VLLM_PLUGINS": "not-kha"})

@@ -24,11 +24,15 @@ def _llm(
     eager: bool = True,
     trust_remote_code: bool = True,
     tensor_parallel_size: int = 1,
+    lora_rank: int | None = None,
 ):
-    """vLLM's LLM on PATH, float32; IMPL None leaves `model_impl` at vLLM's default, as a user who passes nothing."""
+    """vLLM's LLM on PATH, float32; IMPL None leaves `model_impl` at vLLM's default, as a user who passes nothing;
+    LORA_RANK enables LoRA adapters up to that rank."""
     from vllm import LLM
 
+    lora = {} if lora_rank is None else {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1}
     return LLM(
+        **lora,
         model=path,
         **({} if impl is None else {"model_impl": impl}),
         trust_remote_code=trust_remote_code,
@@ -63,12 +67,18 @@ def generate(job: dict) -> dict:
                 job["max_model_len"],
                 trust_remote_code=model.get("trust_remote_code", True),
                 tensor_parallel_size=model.get("tensor_parallel_size", 1),
+                lora_rank=model.get("lora_rank"),
             )
         except Exception as err:  # reported to the test, which decides whether this model must load
             results[model["path"]] = {"error": f"{type(err).__name__}: {err}"}
             continue
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        lora = None
+        if model.get("lora"):  # a PEFT LoRA adapter folder, applied to every prompt
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest("kha-test-adapter", 1, model["lora"])
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         chosen = [
             [step[token].logprob for step, token in zip(o.outputs[0].logprobs, ids, strict=True)]
