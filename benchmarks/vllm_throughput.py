@@ -80,7 +80,7 @@ def build_plugin(root: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 round, 8 new tokens, 4 concurrent (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, 8 new tokens, 4 concurrent (smoke test)")
     parser.add_argument("--compile", action="store_true", help="let vLLM compile the models (no enforce_eager)")
     parser.add_argument("--all", action="store_true", help="every model above, one after another (3 rounds each)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per model (default: 10 paired, 3 with --all)")

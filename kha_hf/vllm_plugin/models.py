@@ -53,18 +53,17 @@ def checked_knocks(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tupl
         yield name, tensor
 
 
-class GLUKnock(nn.Module):
+class GLUKnock(value_fold.GatedUpKnock):
     """An MLP knock as vLLM runs it: (..., d) -> (..., d) = glu(x [W_up; W_gate]ᵀ) (2 W_down)ᵀ, equal to
-    `knocks.MLPKnock` (down(up(x) * 2 sigmoid(gate(x)))). Plain buffers: replicated on every tensor-parallel rank,
-    as the knock is (it acts on each head's d features)."""
+    `knocks.MLPKnock` (down(up(x) * 2 sigmoid(gate(x)))): the value fold's `GatedUpKnock` with its down map kept.
+    Plain buffers: replicated on every tensor-parallel rank, as the knock is (it acts on each head's d features)."""
 
     def __init__(self, up: torch.Tensor, gate: torch.Tensor, down: torch.Tensor) -> None:
-        super().__init__()
-        self.register_buffer("up_gate", torch.cat([up, gate]), persistent=False)  # (2d, d)
+        super().__init__(up, gate)
         self.register_buffer("down", 2 * down, persistent=False)  # (d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.glu(F.linear(x, self.up_gate), dim=-1), self.down)
+        return F.linear(super().forward(x), self.down)
 
 
 class MLPKnockCapture:

@@ -19,6 +19,7 @@ Used only where all of this is known to hold (`foldable`); elsewhere the knock r
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Iterable, Iterator
@@ -48,8 +49,15 @@ class GatedUpKnock(nn.Module):
         return F.glu(F.linear(x, self.up_gate), dim=-1)
 
 
-def _family_attention(attention: nn.Module) -> type | None:
-    return next((c for c in type(attention).__mro__ if c.__module__.startswith("transformers.models.")), None)
+@functools.cache
+def _family_forward_source(cls: type) -> str | None:
+    """The source of the forward of the transformers attention class under CLS (a KHA attention class), read once
+    per class (every layer of a model shares it); None if there is none or it cannot be read."""
+    family = next((c for c in cls.__mro__ if c.__module__.startswith("transformers.models.")), None)
+    try:
+        return inspect.getsource(family.forward)
+    except (TypeError, OSError, AttributeError):
+        return None
 
 
 def foldable(config, attention: nn.Module, quantized: bool) -> bool:
@@ -64,10 +72,8 @@ def foldable(config, attention: nn.Module, quantized: bool) -> bool:
         return False
     if config.base_model_type not in FAMILIES:
         return False  # a family outside the table (tried with the standard layout): its code was never read here
-    family = _family_attention(attention)
-    try:
-        source = inspect.getsource(family.forward)
-    except (TypeError, OSError, AttributeError):
+    source = _family_forward_source(type(attention))
+    if source is None:
         return False
     # Nothing may act on the values between the knock and the kernel: a norm, or a clamp (OLMo's clip_qkv)
     touched = any(word in source for word in ("v_norm", "clamp", "clip_qkv"))

@@ -106,26 +106,38 @@ def test_layers_outside_the_sites_pass_untouched():
     assert not torch.equal(loaded[f"model.{SITE}.o_proj.weight"], tensors[f"model.{SITE}.o_proj.weight"])
 
 
-def test_a_knock_of_the_wrong_shape_is_refused():
+def _wrong_shape(tensors):  # einsum would broadcast a (d, 1) knock without a word
+    tensors[f"model.{SITE}.v_knock.gate.weight"] = torch.zeros(D, 1)
+    return list(tensors.items())
+
+
+def _without(key):
+    def remove(tensors):
+        del tensors[f"model.{SITE}.{key}"]
+        return list(tensors.items())
+
+    return remove
+
+
+def _stored_twice(tensors):  # a second copy later in the stream (another shard)
+    return [*tensors.items(), (f"model.{SITE}.v_knock.up.weight", torch.eye(D))]
+
+
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        (_wrong_shape, r"v_knock\.gate\.weight .* is not an MLP knock's weight"),
+        (_without("v_knock.down.weight"), r"layers\.0\.self_attn\.v_knock has no down weight .* layer 0"),
+        (_stored_twice, r"v_knock\.up\.weight is stored twice"),
+        # vLLM does not check that an unquantized linear layer was loaded: it would serve an uninitialised o_proj
+        (_without("o_proj.weight"), r"layers\.0\.self_attn\.o_proj\.weight is missing"),
+    ],
+    ids=["knock of the wrong shape", "layer without its down knock", "knock stored twice", "layer without o_proj"],
+)
+def test_a_broken_checkpoint_is_refused_in_one_line(broken, message):
     tensors, _ = layer_tensors()
-    tensors[f"model.{SITE}.v_knock.gate.weight"] = torch.zeros(D, 1)  # einsum would broadcast it without a word
-    with pytest.raises(ValueError, match=r"v_knock\.gate\.weight .* is not an MLP knock's weight"):
-        dict(ValueKnockFolder({SITE: 0}, D)(tensors.items()))
-
-
-def test_a_layer_without_its_knocks_is_refused():
-    tensors, _ = layer_tensors()
-    del tensors[f"model.{SITE}.v_knock.down.weight"]
-    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.v_knock has no down weight .* layer 0"):
-        dict(ValueKnockFolder({SITE: 0}, D)(tensors.items()))
-
-
-def test_a_knock_stored_twice_is_refused():
-    tensors, _ = layer_tensors()
-    name = f"model.{SITE}.v_knock.up.weight"
-    stream = [*tensors.items(), (name, torch.eye(D))]  # a second copy later in the stream (another shard)
-    with pytest.raises(ValueError, match=r"v_knock\.up\.weight is stored twice"):
-        dict(ValueKnockFolder({SITE: 0}, D)(stream))
+    with pytest.raises(ValueError, match=message):
+        dict(ValueKnockFolder({SITE: 0}, D)(broken(tensors)))
 
 
 @pytest.mark.parametrize(
@@ -153,14 +165,6 @@ def test_foldable_only_where_the_algebra_holds(family, knock, quantized, expecte
     attentions = [m for m in model.modules() if hasattr(m, "_kha_plans")]  # every knocked layer's attention
     assert attentions
     assert {foldable(config, a, quantized) for a in attentions} == {expected}
-
-
-def test_a_layer_without_its_o_proj_is_refused():
-    """vLLM does not check that an unquantized linear layer was loaded: it would serve an uninitialised o_proj."""
-    tensors, _ = layer_tensors()
-    del tensors[f"model.{SITE}.o_proj.weight"]
-    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.o_proj\.weight is missing"):
-        dict(ValueKnockFolder({SITE: 0}, D)(tensors.items()))
 
 
 def test_a_later_load_passes_other_tensors_and_refuses_the_folded_layers():
