@@ -17,6 +17,27 @@ from ._common import (
 
 LR_GRID_FULL = (2e-5, 5e-5, 1.5e-4)  # = kha_hf.workflows.continued_ab's (not imported: `kha ab --help` stays light)
 LR_GRID_SMALL = (1e-3, 3e-3, 1e-2)
+ARMS = ("base-full", "kha-full", "kha-knocks", "lora-matched", "knock-adapter", "ia3", "oft")  # = the workflow's
+DEFAULT_ARMS = ARMS[:4]
+ADAPTER_ARMS = ("knock-adapter", "lora-matched", "ia3", "oft")
+
+
+def arm_list(text) -> list[str]:
+    """argparse type: comma-separated arm names, or 'adapters' (ADAPTER_ARMS)."""
+    import argparse
+
+    if isinstance(text, (list, tuple)):
+        return list(text)
+    names = [part.strip() for part in str(text).split(",") if part.strip()]
+    if names == ["adapters"]:
+        return list(ADAPTER_ARMS)
+    unknown = [name for name in names if name not in ARMS]
+    if not names or unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give distinct arms from {', '.join(ARMS)}, or 'adapters'"
+            + (f" ({', '.join(unknown)} unknown)" if unknown else "")
+        )
+    return names
 
 
 def add_parser(sub) -> None:
@@ -30,15 +51,18 @@ def add_parser(sub) -> None:
         "loss_curves.png and summary.json; prints per-seed held-out losses and the mean paired delta with a "
         "95 % t-interval over seeds. "
         f"Presets: {', '.join(AB_PRESETS)} (cpu-tiny, 5 seeds: about 26 minutes on 2 CPU cores).\n\n"
-        "With --from MODEL: continued training from a real checkpoint, four arms (base full / KHA full / KHA knocks / "
-        "a LoRA control of the knocks' size). Each arm's learning rate is chosen from a grid (--lr-grid-full, "
-        "--lr-grid) by its loss on a validation split that the reported held-out split never touches; then each "
+        "With --from MODEL: continued training from a real checkpoint, four arms by default (base full / KHA full / "
+        "KHA knocks / a LoRA control of the knocks' size); --arms adapters instead compares the knocks as a PEFT "
+        "adapter on the stock model with PEFT's LoRA (their size), IA3 and OFT (shared blocks on o_proj). Each "
+        "arm's learning rate is chosen from a grid (--lr-grid-full, --lr-grid) by its loss on a validation split "
+        "that the reported held-out split never touches; then each "
         "arm trains at its rate over the seeds; held-out loss on the corpus and on Wikipedia text (forgetting), "
         "paired intervals over seeds and blocks. SmolLM2-135M defaults (24 steps x 4 x 128 tokens, grids of 3, 5 "
         "seeds): about 45 minutes on 2 CPU cores (52 measured with other work running).",
         epilog="examples:\n  kha ab                                   # cpu-tiny, mlp_v, embedded Shakespeare\n"
         "  kha ab gpu-small --knock linear_qkv --bf16\n  kha ab ./my_config.json --max-steps 2000 --data ./corpus/\n"
         "  kha ab --from ./smollm2.gguf --seeds 3          # continued training: should I convert first?\n"
+        "  kha ab --from ./smollm2.gguf --arms adapters    # knock adapter vs LoRA, IA3, OFT\n"
         "  kha ab gpu-small --from Qwen/Qwen3-0.6B --eval  # on a GPU: 2000 steps x 16 x 1024 tokens",
         formatter_class=HelpFormatter,
     )
@@ -83,7 +107,15 @@ def add_parser(sub) -> None:
         "--lr-grid",
         type=rate_list,
         default=",".join(f"{lr:g}" for lr in LR_GRID_SMALL),
-        help="learning rates tried for the knocks and the LoRA control (comma-separated; one value: no tuning)",
+        help="learning rates tried for every adapter arm: knocks, LoRA, IA3, OFT (comma-separated; one value: no "
+        "tuning)",
+    )
+    cont.add_argument(
+        "--arms",
+        type=arm_list,
+        default=",".join(DEFAULT_ARMS),
+        help=f"comma-separated arms from {', '.join(ARMS)}, or 'adapters' for {', '.join(ADAPTER_ARMS)} "
+        "(the knock adapter against PEFT's LoRA, IA3 and OFT on the stock model) (default: %(default)s)",
     )
     cont.add_argument("--eval", action="store_true", help="also run the quick lm-eval suite (paired statistics)")
     cont.add_argument("--limit", type=positive_int, default=100, help="documents per eval task (--eval)")
@@ -138,6 +170,7 @@ def _run_continued(args) -> int:
     settings = ContinuedAB(
         args.from_model,
         knock=args.knock,
+        arms=tuple(args.arms),
         lr_grid_full=tuple(args.lr_grid_full),
         lr_grid_small=tuple(args.lr_grid),
         data=args.data,

@@ -71,6 +71,58 @@ def with_lora(model: nn.Module, targets: list[str], rank: int) -> nn.Module:
     return wrap_with_peft(model, config)
 
 
+def with_knock_adapter(model: nn.Module, knock: str) -> nn.Module:
+    """MODEL (a stock model) wrapped by PEFT with kha-hf's knock adapter of preset KNOCK: the knocks without a
+    conversion (`KnockConfig`)."""
+    from ..peft import KnockConfig
+
+    return wrap_with_peft(model, KnockConfig(knock=knock))
+
+
+def with_ia3(model: nn.Module) -> nn.Module:
+    """MODEL wrapped by PEFT with IA3 (learned scales of features, everything else frozen) at PEFT's standard
+    placement for the family; for a family PEFT's table lacks, at its Llama placement: the keys, the values and the
+    MLP's down projection's input. Its size is fixed by the architecture: one scale per feature."""
+    from peft import IA3Config
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as STANDARD
+
+    if model.config.model_type in STANDARD:
+        return wrap_with_peft(model, IA3Config(task_type="CAUSAL_LM"))
+    linear_names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if "v_proj" not in linear_names:
+        raise KHAError(
+            f"the IA3 control needs separate k_proj/v_proj projections, which {model.config.model_type} does not have"
+        )
+    targets = [name for name in ("k_proj", "v_proj", "down_proj") if name in linear_names]
+    feedforward = [name for name in ("down_proj",) if name in linear_names]
+    config = IA3Config(target_modules=targets, feedforward_modules=feedforward, task_type="CAUSAL_LM")
+    return wrap_with_peft(model, config)
+
+
+def with_shared_oft(model: nn.Module) -> nn.Module:
+    """MODEL wrapped by PEFT with OFT on `o_proj`: one orthogonal head_dim x head_dim block per layer (Cayley
+    parametrised, head_dim·(head_dim−1)/2 parameters), shared by every head, rotating each head's attention output.
+    Attention is linear in V, so this is an orthogonal linear value knock applied after the softmax: the
+    orthogonal counterpart of `linear_v` with about half its parameters."""
+    from peft import OFTConfig
+
+    heads = model.config.get_text_config().num_attention_heads
+    # o_proj's input is the heads' outputs side by side, so a block of in_features / heads is one head (this also
+    # holds where values are narrower than queries and keys, as in MLA)
+    widths = {
+        m.in_features for name, m in model.named_modules() if name.endswith("o_proj") and isinstance(m, nn.Linear)
+    }
+    if len(widths) != 1 or next(iter(widths)) % heads:
+        raise KHAError(
+            f"the OFT control needs o_proj layers of one input width divisible by the {heads} heads; "
+            f"{model.config.model_type} has {sorted(widths) or 'no o_proj'}"
+        )
+    oft = OFTConfig(
+        r=0, oft_block_size=widths.pop() // heads, block_share=True, target_modules=["o_proj"], task_type="CAUSAL_LM"
+    )
+    return wrap_with_peft(model, oft)
+
+
 def wrap_with_peft(model: nn.Module, config) -> nn.Module:
     """`peft.get_peft_model`, without the FutureWarning it triggers by reading the deprecated
     `is_gradient_checkpointing` property (peft 0.21.2 with transformers 5.24); every other warning still shows."""

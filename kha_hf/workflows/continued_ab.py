@@ -1,18 +1,24 @@
 """`kha ab --from MODEL`: should I convert a real checkpoint to KHA before continued training, and do the knocks
 beat a control of their size?
 
-MODEL (folder, Hub id or .gguf) is converted once; four arms then train with identical data, data order, steps and
-optimiser:
+MODEL (folder, Hub id or .gguf) is converted once; the chosen arms (`arms`; by default the first four) then train
+with identical data, data order, steps and optimiser:
 
 - (a) `base-full`: the base model, every weight trained;          (b) `kha-full`: its KHA conversion, likewise.
 - (c) `kha-knocks`: only the knocks of the conversion train;      (d) `lora-matched`: a LoRA on the projections the
   knocks act on (v_proj for mlp_v), at the rank whose parameter count is closest to the knocks' (exact for mlp_v;
   the report says how far apart the counts are otherwise).
+- (e) `knock-adapter`: the same knocks as a PEFT adapter on the stock model (`KnockConfig`; no conversion);
+  (f) `ia3`: PEFT's IA3 at its standard placement; (g) `oft`: PEFT's OFT on o_proj with one orthogonal
+  head_dim-sized block shared by all heads (an orthogonal value knock, as attention is linear in V). IA3 and
+  OFT have the sizes their structure gives (reported beside the knocks'); no rank makes them match.
+  `ADAPTER_ARMS` (e, d, f, g) is the comparison for people who fine-tune with PEFT.
 
 A fair comparison needs each arm at its own best setting. Each arm's learning rate is chosen from a small grid
-(`lr_grid_full` for a/b, `lr_grid_small` for c/d) by its loss on a validation split that the reported held-out split
-never touches (train / validation / held-out are consecutive, disjoint parts of the packed corpus). Neither adapter
-arm gets weight decay (the knocks never do; the LoRA is treated the same). Tuning runs at the first seed.
+(`lr_grid_full` for a/b, `lr_grid_small` for every adapter arm) by its loss on a validation split that the
+reported held-out split never touches (train / validation / held-out are consecutive, disjoint parts of the packed
+corpus). No adapter arm gets weight decay (the knocks never do; the others are treated the same). Tuning runs at
+the first seed.
 
 Then every arm trains at its chosen rate for SEEDS seeds. A seed sets the data order (which training blocks form
 each batch, and in what order) and the LoRA's random initialisation; every arm starts from the same pretrained
@@ -20,8 +26,9 @@ weights. Held-out loss is measured per block, on the corpus's held-out tail and 
 (Wikipedia paragraphs, `data.OTHER_DOMAIN`) before and after training: the second says what training on the corpus
 costs elsewhere ("forgetting"). The comparisons (b − a, c − d) are paired per seed and per block, and their 95 %
 interval resamples both seeds and blocks (`statistics.two_level_bootstrap`), so it carries the spread between
-seeds and the sampling error of the blocks. Each arm reports trainable parameters, estimated training FLOPs and
-wall time.
+seeds and the sampling error of the blocks. A chosen rate at the edge of its grid is flagged in the summary
+(`at_grid_edge`): the grid may not have held that arm's best rate. Each arm reports trainable parameters, estimated
+training FLOPs and wall time.
 """
 
 from __future__ import annotations
@@ -46,8 +53,18 @@ from ..training.block_losses import block_losses
 from ..training.modes import lora_targets, matched_lora_rank
 from ..training.params import count_knock_parameters
 
-ARMS = ("base-full", "kha-full", "kha-knocks", "lora-matched")
-COMPARISONS = (("kha-full", "base-full"), ("kha-knocks", "lora-matched"))
+ARMS = ("base-full", "kha-full", "kha-knocks", "lora-matched", "knock-adapter", "ia3", "oft")
+DEFAULT_ARMS = ARMS[:4]
+ADAPTER_ARMS = ("knock-adapter", "lora-matched", "ia3", "oft")
+KHA_ARMS = ("kha-full", "kha-knocks")  # start from the conversion; the others from the stock model
+MERGEABLE = ("lora-matched", "ia3", "oft")  # evaluated merged; the MLP knock adapter cannot merge (it runs as is)
+COMPARISONS = (
+    ("kha-full", "base-full"),
+    ("kha-knocks", "lora-matched"),
+    ("knock-adapter", "lora-matched"),
+    ("knock-adapter", "ia3"),
+    ("knock-adapter", "oft"),
+)
 LR_GRID_FULL = (2e-5, 5e-5, 1.5e-4)
 LR_GRID_SMALL = (1e-3, 3e-3, 1e-2)
 
@@ -58,6 +75,7 @@ class ContinuedAB:
 
     model: str
     knock: str = "mlp_v"
+    arms: tuple[str, ...] = DEFAULT_ARMS
     max_steps: int = 24
     seq_len: int = 128
     batch_size: int = 4
@@ -86,6 +104,11 @@ def continued_ab(settings: ContinuedAB, output: str | Path = "kha-ab-continued",
     check_training_numbers(max_steps=s.max_steps, seq_len=s.seq_len, batch_size=s.batch_size, seeds=s.seeds)
     if s.knock not in KNOCK_PRESETS:
         raise KHAError(f"unknown knock preset {s.knock!r}; choose one of: {', '.join(KNOCK_PRESETS)}")
+    unknown = [arm for arm in s.arms if arm not in ARMS]
+    if unknown or not s.arms or len(set(s.arms)) != len(s.arms):
+        raise KHAError(
+            f"arms must be distinct names from: {', '.join(ARMS)} (or 'adapters'); got {', '.join(s.arms) or 'none'}"
+        )
     for grid in (s.lr_grid_full, s.lr_grid_small):
         if not grid or any(not lr > 0 for lr in grid):
             raise KHAError(f"learning-rate grids need one or more positive rates, got {list(grid)}")
@@ -113,6 +136,7 @@ class _Prepared:
     targets: list[str]
     rank: int
     total_parameters: int
+    knock: str
 
 
 def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
@@ -166,22 +190,28 @@ def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
         f"trainable parameters: knocks {knocks:,}; LoRA r={rank} on {', '.join(targets)}: {lora:,} "
         + ("(exact match)" if lora == knocks else f"({off:+.1%}: no rank matches exactly; the closest is used)")
     )
-    return _Prepared(base_dir, kha_dir, tokenizer, train, validation, heldout, other, targets, rank, total)
+    return _Prepared(base_dir, kha_dir, tokenizer, train, validation, heldout, other, targets, rank, total, s.knock)
 
 
 def _build(arm: str, run_seed: int, p: _Prepared, trust_remote_code: bool) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from ..modeling.modeling_kha import KHAForCausalLM
-    from ..training.modes import prepare_for_mode, with_lora
+    from ..training.modes import prepare_for_mode, with_ia3, with_knock_adapter, with_lora, with_shared_oft
 
-    torch.manual_seed(run_seed)  # the LoRA A matrices are random
-    if arm in ("kha-full", "kha-knocks"):
+    torch.manual_seed(run_seed)  # the LoRA A matrices are random (the other adapters start as the identity)
+    if arm in KHA_ARMS:
         model = KHAForCausalLM.from_pretrained(p.kha_dir, dtype=torch.float32)
         return prepare_for_mode(model, "full" if arm == "kha-full" else "knocks")
     model = AutoModelForCausalLM.from_pretrained(p.base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
     if arm == "base-full":
         return model.requires_grad_(True)
+    if arm == "knock-adapter":
+        return with_knock_adapter(model, p.knock)
+    if arm == "ia3":
+        return with_ia3(model)
+    if arm == "oft":
+        return with_shared_oft(model)
     return with_lora(model, p.targets, p.rank)
 
 
@@ -219,20 +249,23 @@ def _train_and_measure(s: ContinuedAB, p: _Prepared, arm: str, run_seed: int, lr
 
 def _run(s: ContinuedAB, output: Path) -> dict:
     p = _prepare(s, output)
-    before = {}
-    for arm in ("base-full", "kha-full"):  # the adapter arms start from the same two models
+    start_from = {"base-full": "base-full"}  # every arm starts from the stock model or from its conversion
+    if any(arm in KHA_ARMS for arm in s.arms):
+        start_from["kha-full"] = "kha-full"
+    measured = {}
+    for arm in start_from:
         model = _build(arm, s.seed, p, s.trust_remote_code)
-        before[arm] = {
+        measured[arm] = {
             "heldout": block_losses(model, p.heldout, s.batch_size),
             "other": block_losses(model, p.other, s.batch_size),
         }
         del model
-    before["kha-knocks"], before["lora-matched"] = before["kha-full"], before["base-full"]
+    before = {arm: measured["kha-full" if arm in KHA_ARMS else "base-full"] for arm in s.arms}
 
     # 1. each arm's rate, chosen on the validation split at the first seed
     tuning: dict[str, list[dict]] = {}
     chosen: dict[str, ArmRun] = {}
-    for arm in ARMS:
+    for arm in s.arms:
         for lr in s.grid(arm):
             run = _train_and_measure(s, p, arm, s.seed, lr, output)
             tuning.setdefault(arm, []).append({"lr": lr, "validation_loss": run.validation_loss})
@@ -245,7 +278,7 @@ def _run(s: ContinuedAB, output: Path) -> dict:
     # 2. every arm at its rate, over the seeds (the first seed's runs are the tuning runs at the chosen rate)
     runs: list[ArmRun] = list(chosen.values())
     for run_seed in range(s.seed + 1, s.seed + s.seeds):
-        for arm in ARMS:
+        for arm in s.arms:
             run = _train_and_measure(s, p, arm, run_seed, best[arm], output)
             runs.append(run)
             print(
@@ -266,9 +299,12 @@ def _run(s: ContinuedAB, output: Path) -> dict:
         "lr_grids": {"full": list(s.lr_grid_full), "adapters": list(s.lr_grid_small)},
         "tuning": tuning,
         "chosen_lr": best,
+        "at_grid_edge": {
+            arm: len(s.grid(arm)) > 1 and lr in (min(s.grid(arm)), max(s.grid(arm))) for arm, lr in best.items()
+        },
         **s.extra,
-        "arms": _arm_table(runs, before),
-        "comparisons": [_compare(runs, arm, control) for arm, control in COMPARISONS],
+        "arms": _arm_table(runs, before, s.arms),
+        "comparisons": [_compare(runs, arm, control) for arm, control in _comparisons(s.arms)],
     }
     write_curves_csv(runs, output / "loss_curves.csv")
     plot_mean_curves(runs, output / "loss_curves.png", f"continued training from {Path(str(s.model)).name}")
@@ -284,9 +320,13 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
-def _arm_table(runs: list[ArmRun], before: dict) -> dict:
+def _comparisons(arms) -> list[tuple[str, str]]:
+    return [(arm, control) for arm, control in COMPARISONS if arm in arms and control in arms]
+
+
+def _arm_table(runs: list[ArmRun], before: dict, chosen_arms) -> dict:
     arms = {}
-    for arm in ARMS:
+    for arm in chosen_arms:
         mine = [r for r in runs if r.arm == arm]
         forgetting = [[a - b for a, b in zip(r.other_blocks, before[arm]["other"], strict=True)] for r in mine]
         arms[arm] = {
@@ -366,7 +406,7 @@ def _evaluate_arms(models: dict, tokenizer, limit: int, output: Path) -> list[di
         arm: evaluate_loaded(
             arm,
             arm,
-            (model.merge_and_unload() if arm == "lora-matched" else model).eval(),
+            (model.merge_and_unload() if arm in MERGEABLE else model).eval(),
             tokenizer,
             SUITES["quick"],
             True,
@@ -380,7 +420,7 @@ def _evaluate_arms(models: dict, tokenizer, limit: int, output: Path) -> list[di
         for arm, model in models.items()
     }
     tables, rows = [], []
-    for arm, control in COMPARISONS:
+    for arm, control in _comparisons(list(models)):
         pair_rows = comparison_rows(results[control], results[arm])
         rows.append({"arm": arm, "control": control, "rows": pair_rows})
         tables.append(f"### {arm} vs {control}\n\n" + markdown_table(pair_rows, results[control], results[arm]))

@@ -53,3 +53,32 @@ def test_vllm_throughput_table_pairs_rounds():
     row = next(line for line in text.splitlines() if line.startswith("| kha |"))
     mean = math.exp(sum(math.log(o / b) for o, b in zip(noisy, base, strict=True)) / 3)
     assert f"{mean:.3f}x [" in row, row
+
+
+def test_code_corpus_writes_every_module_once_in_path_order(tmp_path):
+    """benchmarks/code_corpus.py, the second training domain of the adapter A/B: every non-empty module of the
+    package, in sorted path order, readable by `kha ab --data`; an existing file is never overwritten."""
+    import importlib.util
+
+    from kha_hf.training.data import read_documents
+
+    spec = importlib.util.spec_from_file_location("code_corpus", BENCHMARKS / "code_corpus.py")
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    package = Path(__import__("kha_hf.peft").peft.__file__).parent
+    expected = [f.read_text() for f in sorted(package.rglob("*.py")) if f.read_text().strip()]
+    out = tmp_path / "code.jsonl"
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "code_corpus.py"), str(out), "--package", "kha_hf.peft"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert f"wrote {len(expected)} modules of kha_hf.peft" in run.stdout
+    assert read_documents([str(out)]) == expected == [t for _, t in corpus.code_documents("kha_hf.peft")]
+    again = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "code_corpus.py"), str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 2 and "exists" in again.stderr
+    assert read_documents([str(out)]) == expected  # untouched

@@ -25,10 +25,12 @@ def test_matched_rank_by_hand():
     assert (rank, count) == (8, 8 * (64 + 32) * 3) and count == knock_parameters
 
 
-def test_the_cli_grids_are_the_workflows():
+def test_the_cli_grids_and_arms_are_the_workflows():
     from kha_hf.cli import ab
+    from kha_hf.workflows import continued_ab as workflow
 
     assert ab.LR_GRID_FULL == LR_GRID_FULL and ab.LR_GRID_SMALL == LR_GRID_SMALL
+    assert (ab.ARMS, ab.DEFAULT_ARMS, ab.ADAPTER_ARMS) == (workflow.ARMS, workflow.DEFAULT_ARMS, workflow.ADAPTER_ARMS)
 
 
 def test_train_validation_and_heldout_never_share_a_block(corpus):
@@ -130,10 +132,13 @@ def test_the_learning_rate_choice_ignores_the_heldout_split(tiny_base, tmp_path,
 
 
 def test_continued_ab_eval_adds_paired_downstream_statistics(tiny_base, tmp_path):
-    settings = tiny_settings(tiny_base, max_steps=2, lr_grid_small=(1e-3,), run_eval=True, limit=2)
+    """Every arm through lm-eval: the LoRA, IA3 and OFT merged, the MLP knock adapter as a PeftModel."""
+    from kha_hf.workflows.continued_ab import ARMS, COMPARISONS
+
+    settings = tiny_settings(tiny_base, max_steps=2, lr_grid_small=(1e-3,), run_eval=True, limit=2, arms=ARMS)
     summary = continued_ab(settings, output=tmp_path / "out")
     pairs = {(e["arm"], e["control"]): e["rows"] for e in summary["eval"]}
-    assert set(pairs) == {("kha-full", "base-full"), ("kha-knocks", "lora-matched")}
+    assert set(pairs) == set(COMPARISONS) and len(pairs) == 5
     for rows in pairs.values():
         assert {r["task"] for r in rows} == {"arc_easy", "piqa", "copa", "winogrande"}
         assert all(r["paired"]["n"] == 2 and "p_holm" in r["paired"] for r in rows)
@@ -153,3 +158,98 @@ def test_bad_learning_rate_grids_are_one_line_errors(tmp_path, capsys, grid):
     with pytest.raises(SystemExit) as exit_info:
         main(["ab", "--from", str(tmp_path), "--lr-grid", grid])
     assert exit_info.value.code == 2 and "--lr-grid" in capsys.readouterr().err
+
+
+def test_adapter_arms_compare_the_knock_adapter_with_lora_ia3_and_oft(tiny_base, tmp_path, capsys):
+    """`--arms adapters`: the knock adapter on the stock model against PEFT's LoRA (its size), IA3 and OFT (shared
+    blocks on o_proj), each tuned on the same grid, paired over seeds and blocks."""
+    argv = ["ab", "--from", str(tiny_base / "base"), "--output", str(tmp_path / "out"), "--seeds", "2"]
+    argv += ["--max-steps", "3", "--seq-len", "32", "--batch-size", "2", "--data", str(tiny_base / "data.md")]
+    argv += ["--lr-grid", "1e-3,1e-2", "--arms", "adapters"]
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    arms = summary["arms"]
+    assert list(arms) == ["knock-adapter", "lora-matched", "ia3", "oft"]
+    # sizes by hand (tiny llama: hidden 64, 3 layers, 4 heads of 16, 2 KV heads, MLP 128 wide)
+    config = tiny_configs()["llama"]
+    layers, head_dim = config.num_hidden_layers, config.hidden_size // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    assert arms["knock-adapter"]["trainable_parameters"] == arms["lora-matched"]["trainable_parameters"] == 2304
+    assert arms["ia3"]["trainable_parameters"] == layers * (kv + kv + config.intermediate_size)  # k, v, down's input
+    assert arms["oft"]["trainable_parameters"] == layers * head_dim * (head_dim - 1) // 2  # one shared block
+    for key in ("heldout_before", "other_domain_before"):  # every adapter starts as the identity on the stock model
+        values = {a[key] for a in arms.values()}
+        assert max(values) - min(values) < 1e-6, values
+    for arm in arms.values():  # each trained: its held-out loss moved
+        assert arm["heldout_after_mean"] != arm["heldout_before"]
+    assert [t["lr"] for t in summary["tuning"]["oft"]] == [1e-3, 1e-2]
+    assert set(summary["at_grid_edge"]) == set(arms) and all(summary["at_grid_edge"].values())  # a grid of 2
+    pairs = [(c["arm"], c["control"]) for c in summary["comparisons"]]
+    assert pairs == [("knock-adapter", "lora-matched"), ("knock-adapter", "ia3"), ("knock-adapter", "oft")]
+    assert all(c["heldout"]["n_seeds"] == 2 for c in summary["comparisons"])
+    out = capsys.readouterr().out
+    assert "Δ (knock-adapter − oft), held-out:" in out
+
+
+def test_the_knock_adapter_arm_trains_as_the_converted_models_knocks(tiny_base, tmp_path):
+    """The same knocks, the same data, seed and rate: the PEFT knock adapter on the stock model and the knocks of the
+    KHA conversion reach the same losses."""
+    settings = tiny_settings(tiny_base, max_steps=3, arms=("kha-knocks", "knock-adapter"))
+    summary = continued_ab(settings, output=tmp_path / "out")
+    adapter, kha = summary["arms"]["knock-adapter"], summary["arms"]["kha-knocks"]
+    assert adapter["heldout_after_mean"] != adapter["heldout_before"]
+    assert adapter["heldout_after_mean"] == pytest.approx(kha["heldout_after_mean"], abs=1e-5)
+    assert adapter["per_seed"][0]["validation"] == pytest.approx(kha["per_seed"][0]["validation"], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "arms, message",
+    [("lora,ia3", "lora unknown"), ("ia3,ia3", "give distinct arms"), (",", "give distinct arms")],
+)
+def test_bad_arms_are_refused_in_one_line(tmp_path, capsys, arms, message):
+    with pytest.raises(SystemExit) as exit_:  # argparse
+        main(["ab", "--from", str(tmp_path), "--arms", arms])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_ia3_control_outside_pefts_table_uses_the_llama_placement():
+    """OLMo 2 is not in peft 0.21's IA3 table: the control scales k, v and down's input, like PEFT's Llama entry; a
+    fused qkv_proj (Phi-3) has no value projection to scale and is refused in one line."""
+    import torch
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING
+
+    from kha_hf.common.errors import KHAError
+    from kha_hf.training.modes import with_ia3
+    from tests.helpers import tiny_base_model, tiny_config
+
+    assert "olmo2" not in TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING
+    config = tiny_config("olmo2")
+    ids = torch.randint(0, config.vocab_size, (1, 9))
+    stock = tiny_base_model("olmo2")(ids).logits
+    model = with_ia3(tiny_base_model("olmo2"))
+    kv = config.num_key_value_heads * config.hidden_size // config.num_attention_heads
+    trainable = {n.split(".")[-3]: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"k_proj": kv, "v_proj": kv, "down_proj": config.intermediate_size}
+    assert torch.equal(model(ids).logits, stock)  # IA3 starts at scale 1
+    with pytest.raises(KHAError, match="phi3 does not have"):
+        with_ia3(tiny_base_model("phi3"))
+
+
+def test_the_oft_control_rotates_whole_heads_also_under_mla():
+    """DeepSeek-V3's MLA: o_proj's input is heads x v_head_dim (narrower than the query/key heads); the shared OFT
+    block is one value head wide, so it rotates within heads. It starts as the identity."""
+    import torch
+
+    from kha_hf.training.modes import with_shared_oft
+    from tests.helpers import tiny_base_model, tiny_config
+
+    config = tiny_config("deepseek_v3")
+    assert config.v_head_dim != config.qk_nope_head_dim + config.qk_rope_head_dim
+    ids = torch.randint(0, config.vocab_size, (1, 9))
+    stock = tiny_base_model("deepseek_v3")(ids).logits
+    model = with_shared_oft(tiny_base_model("deepseek_v3"))
+    layer = model.base_model.model.model.layers[0].self_attn.o_proj
+    rotation = layer.oft_R["default"]
+    assert rotation.block_size == config.v_head_dim and rotation.block_share and rotation.weight.shape[0] == 1
+    assert torch.allclose(model(ids).logits, stock, atol=1e-5)
