@@ -22,6 +22,18 @@ DEFAULT_ARMS = ARMS[:4]
 ADAPTER_ARMS = ("knock-adapter", "lora-matched", "ia3", "oft")
 
 
+def extension_count(text) -> int:
+    """argparse type: an integer from 0 to 10 (--grid-extensions)."""
+    import argparse
+
+    from ._common import _number
+
+    value = _number(text, int, 0, True, "an integer")
+    if value > 10:
+        raise argparse.ArgumentTypeError(f"must be at most 10, got {text}")
+    return value
+
+
 def arm_list(text) -> list[str]:
     """argparse type: comma-separated arm names, or 'adapters' (ADAPTER_ARMS)."""
     import argparse
@@ -111,6 +123,13 @@ def add_parser(sub) -> None:
         "tuning)",
     )
     cont.add_argument(
+        "--grid-extensions",
+        type=extension_count,
+        default=2,
+        help="when an arm's best rate is the lowest or highest of its grid, try up to this many rates beyond that "
+        "edge, one grid step at a time (0: the grid only)",
+    )
+    cont.add_argument(
         "--arms",
         type=arm_list,
         default=",".join(DEFAULT_ARMS),
@@ -171,6 +190,7 @@ def _run_continued(args) -> int:
         args.from_model,
         knock=args.knock,
         arms=tuple(args.arms),
+        grid_extensions=args.grid_extensions,
         lr_grid_full=tuple(args.lr_grid_full),
         lr_grid_small=tuple(args.lr_grid),
         data=args.data,

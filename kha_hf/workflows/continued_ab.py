@@ -24,11 +24,12 @@ Then every arm trains at its chosen rate for SEEDS seeds. A seed sets the data o
 each batch, and in what order) and the LoRA's random initialisation; every arm starts from the same pretrained
 weights. Held-out loss is measured per block, on the corpus's held-out tail and on text of another domain
 (Wikipedia paragraphs, `data.OTHER_DOMAIN`) before and after training: the second says what training on the corpus
-costs elsewhere ("forgetting"). The comparisons (b − a, c − d) are paired per seed and per block, and their 95 %
+costs elsewhere ("forgetting"). The comparisons (b − a, c − d, e − d, e − f, e − g) are paired per seed and per block, and their 95 %
 interval resamples both seeds and blocks (`statistics.two_level_bootstrap`), so it carries the spread between
-seeds and the sampling error of the blocks. A chosen rate at the edge of its grid is flagged in the summary
-(`at_grid_edge`): the grid may not have held that arm's best rate. Each arm reports trainable parameters, estimated
-training FLOPs and wall time.
+seeds and the sampling error of the blocks. When an arm's best rate is at the edge of its grid, up to
+`grid_extensions` more rates are tried one step beyond that edge (the step of the grid's outermost pair): a
+control whose best rate the grid missed is not a tuned control. A best rate still at the edge is flagged in the
+summary (`at_grid_edge`). Each arm reports trainable parameters, estimated training FLOPs and wall time.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ COMPARISONS = (
 )
 LR_GRID_FULL = (2e-5, 5e-5, 1.5e-4)
 LR_GRID_SMALL = (1e-3, 3e-3, 1e-2)
+GRID_EXTENSIONS = 2
 
 
 @dataclass
@@ -81,6 +83,7 @@ class ContinuedAB:
     batch_size: int = 4
     lr_grid_full: tuple[float, ...] = LR_GRID_FULL
     lr_grid_small: tuple[float, ...] = LR_GRID_SMALL
+    grid_extensions: int = GRID_EXTENSIONS  # rates tried beyond a grid's edge when the best one is on it
     data: list[str] | None = None
     seed: int = 0
     seeds: int = 5
@@ -109,6 +112,8 @@ def continued_ab(settings: ContinuedAB, output: str | Path = "kha-ab-continued",
         raise KHAError(
             f"arms must be distinct names from: {', '.join(ARMS)} (or 'adapters'); got {', '.join(s.arms) or 'none'}"
         )
+    if not isinstance(s.grid_extensions, int) or not 0 <= s.grid_extensions <= 10:
+        raise KHAError(f"grid_extensions must be an integer from 0 to 10, got {s.grid_extensions!r}")
     for grid in (s.lr_grid_full, s.lr_grid_small):
         if not grid or any(not lr > 0 for lr in grid):
             raise KHAError(f"learning-rate grids need one or more positive rates, got {list(grid)}")
@@ -266,12 +271,16 @@ def _run(s: ContinuedAB, output: Path) -> dict:
     tuning: dict[str, list[dict]] = {}
     chosen: dict[str, ArmRun] = {}
     for arm in s.arms:
-        for lr in s.grid(arm):
+        rates = list(s.grid(arm))
+        while rates:
+            lr = rates.pop(0)
             run = _train_and_measure(s, p, arm, s.seed, lr, output)
             tuning.setdefault(arm, []).append({"lr": lr, "validation_loss": run.validation_loss})
             print(f"tuning {arm:>12} lr {lr:g}: validation loss {run.validation_loss:.4f}")
-            if arm not in chosen or run.validation_loss < chosen[arm].validation_loss:
+            if arm not in chosen or _loss(run.validation_loss) < _loss(chosen[arm].validation_loss):
                 chosen[arm] = run
+            if not rates and len(tuning[arm]) < len(s.grid(arm)) + s.grid_extensions:
+                rates = _beyond_the_edge(tuning[arm], chosen[arm].lr)
     best = {arm: run.lr for arm, run in chosen.items()}
     print("chosen learning rates (validation split): " + ", ".join(f"{a} {lr:g}" for a, lr in best.items()))
 
@@ -299,9 +308,8 @@ def _run(s: ContinuedAB, output: Path) -> dict:
         "lr_grids": {"full": list(s.lr_grid_full), "adapters": list(s.lr_grid_small)},
         "tuning": tuning,
         "chosen_lr": best,
-        "at_grid_edge": {
-            arm: len(s.grid(arm)) > 1 and lr in (min(s.grid(arm)), max(s.grid(arm))) for arm, lr in best.items()
-        },
+        "grid_extensions": s.grid_extensions,
+        "at_grid_edge": {arm: _at_edge(tuning[arm], lr) for arm, lr in best.items()},
         **s.extra,
         "arms": _arm_table(runs, before, s.arms),
         "comparisons": [_compare(runs, arm, control) for arm, control in _comparisons(s.arms)],
@@ -318,6 +326,28 @@ def _run(s: ContinuedAB, output: Path) -> dict:
 
 def _mean(values) -> float:
     return sum(values) / len(values)
+
+
+def _loss(value: float) -> float:
+    """A validation loss for comparison: a diverged run (NaN) loses to every finite one."""
+    return value if value == value else float("inf")
+
+
+def _at_edge(tried: list[dict], best: float) -> bool:
+    """True if BEST is the lowest or highest of two or more rates TRIED (after any extensions)."""
+    rates = sorted({t["lr"] for t in tried})
+    return len(rates) > 1 and best in (rates[0], rates[-1])
+
+
+def _beyond_the_edge(tried: list[dict], best: float) -> list[float]:
+    """The next rate to try when BEST is the lowest or highest rate TRIED (the grid may not hold the arm's best
+    rate): one step further out, the step being the ratio between the two outermost rates on that side."""
+    rates = sorted({t["lr"] for t in tried})
+    if len(rates) < 2 or rates[0] < best < rates[-1]:
+        return []
+    if best == rates[-1]:
+        return [rates[-1] * rates[-1] / rates[-2]]
+    return [rates[0] * rates[0] / rates[1]]
 
 
 def _comparisons(arms) -> list[tuple[str, str]]:

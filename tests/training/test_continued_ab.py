@@ -64,7 +64,7 @@ def tiny_settings(tiny_base, **overrides) -> ContinuedAB:
 def test_continued_ab_tunes_each_arm_and_reports_paired_intervals(tiny_base, tmp_path, capsys):
     argv = ["ab", "--from", str(tiny_base / "base"), "--output", str(tmp_path / "out"), "--seeds", "2"]
     argv += ["--max-steps", "3", "--seq-len", "32", "--batch-size", "2", "--data", str(tiny_base / "data.md")]
-    argv += ["--lr-grid", "1e-3,1e-2", "--lr-grid-full", "1e-4"]
+    argv += ["--lr-grid", "1e-3,1e-2", "--lr-grid-full", "1e-4", "--grid-extensions", "0"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "trainable parameters: knocks 2,304; LoRA r=8 on v_proj: 2,304 (exact match)" in out
@@ -165,7 +165,7 @@ def test_adapter_arms_compare_the_knock_adapter_with_lora_ia3_and_oft(tiny_base,
     blocks on o_proj), each tuned on the same grid, paired over seeds and blocks."""
     argv = ["ab", "--from", str(tiny_base / "base"), "--output", str(tmp_path / "out"), "--seeds", "2"]
     argv += ["--max-steps", "3", "--seq-len", "32", "--batch-size", "2", "--data", str(tiny_base / "data.md")]
-    argv += ["--lr-grid", "1e-3,1e-2", "--arms", "adapters"]
+    argv += ["--lr-grid", "1e-3,1e-2", "--arms", "adapters", "--grid-extensions", "0"]
     assert main(argv) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     arms = summary["arms"]
@@ -183,7 +183,7 @@ def test_adapter_arms_compare_the_knock_adapter_with_lora_ia3_and_oft(tiny_base,
     for arm in arms.values():  # each trained: its held-out loss moved
         assert arm["heldout_after_mean"] != arm["heldout_before"]
     assert [t["lr"] for t in summary["tuning"]["oft"]] == [1e-3, 1e-2]
-    assert set(summary["at_grid_edge"]) == set(arms) and all(summary["at_grid_edge"].values())  # a grid of 2
+    assert set(summary["at_grid_edge"]) == set(arms) and all(summary["at_grid_edge"].values())  # 2, not extended
     pairs = [(c["arm"], c["control"]) for c in summary["comparisons"]]
     assert pairs == [("knock-adapter", "lora-matched"), ("knock-adapter", "ia3"), ("knock-adapter", "oft")]
     assert all(c["heldout"]["n_seeds"] == 2 for c in summary["comparisons"])
@@ -253,3 +253,28 @@ def test_the_oft_control_rotates_whole_heads_also_under_mla():
     rotation = layer.oft_R["default"]
     assert rotation.block_size == config.v_head_dim and rotation.block_share and rotation.weight.shape[0] == 1
     assert torch.allclose(model(ids).logits, stock, atol=1e-5)
+
+
+def test_a_best_rate_on_the_grids_edge_is_followed_beyond_it(tiny_base, tmp_path):
+    """Rates far too small for 3 steps: the knocks' best is the grid's top, so the tuning tries one grid step further
+    (x2 here) until grid_extensions runs out; the best rate is then the last one tried, still flagged at the edge."""
+    settings = tiny_settings(
+        tiny_base, max_steps=3, arms=("knock-adapter",), lr_grid_small=(1e-6, 2e-6), grid_extensions=2
+    )
+    summary = continued_ab(settings, output=tmp_path / "out")
+    tried = summary["tuning"]["knock-adapter"]
+    assert [t["lr"] for t in tried] == pytest.approx([1e-6, 2e-6, 4e-6, 8e-6])
+    losses = [t["validation_loss"] for t in tried]
+    assert losses == sorted(losses, reverse=True)  # each step up helped: that is why the search went on
+    assert summary["chosen_lr"]["knock-adapter"] == pytest.approx(8e-6)
+    assert summary["at_grid_edge"] == {"knock-adapter": True} and summary["grid_extensions"] == 2
+
+
+def test_an_interior_best_rate_ends_the_tuning_at_the_grid():
+    from kha_hf.workflows.continued_ab import _at_edge, _beyond_the_edge
+
+    tried = [{"lr": lr, "validation_loss": 1.0} for lr in (1e-3, 3e-3, 1e-2)]
+    assert _beyond_the_edge(tried, 3e-3) == [] and not _at_edge(tried, 3e-3)
+    assert _beyond_the_edge(tried, 1e-2) == pytest.approx([1e-2 * 1e-2 / 3e-3]) and _at_edge(tried, 1e-2)
+    assert _beyond_the_edge(tried, 1e-3) == pytest.approx([1e-3 * 1e-3 / 3e-3])
+    assert _beyond_the_edge(tried[:1], 1e-3) == []  # one rate: no step to take
