@@ -24,9 +24,9 @@ Then every arm trains at its chosen rate for SEEDS seeds. A seed sets the data o
 each batch, and in what order) and the LoRA's random initialisation; every arm starts from the same pretrained
 weights. Held-out loss is measured per block, on the corpus's held-out tail and on text of another domain
 (Wikipedia paragraphs, `data.OTHER_DOMAIN`) before and after training: the second says what training on the corpus
-costs elsewhere ("forgetting"). The comparisons (b − a, c − d, e − d, e − f, e − g) are paired per seed and per block, and their 95 %
-interval resamples both seeds and blocks (`statistics.two_level_bootstrap`), so it carries the spread between
-seeds and the sampling error of the blocks. When an arm's best rate is at the edge of its grid, up to
+costs elsewhere ("forgetting"). The comparisons (b − a, c − d, e − d, e − f, e − g) are paired per seed and per
+block, and their 95 % interval resamples both seeds and blocks (`statistics.two_level_bootstrap`), so it carries
+the spread between seeds and the sampling error of the blocks. When an arm's best rate is at the edge of its grid, up to
 `grid_extensions` more rates are tried one step beyond that edge (the step of the grid's outermost pair): a
 control whose best rate the grid missed is not a tuned control. A best rate still at the edge is flagged in the
 summary (`at_grid_edge`). Each arm reports trainable parameters, estimated training FLOPs and wall time.
