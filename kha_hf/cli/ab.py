@@ -43,6 +43,8 @@ def arm_list(text) -> list[str]:
     names = [part.strip() for part in str(text).split(",") if part.strip()]
     if names == ["adapters"]:
         return list(ADAPTER_ARMS)
+    if "adapters" in names:
+        raise argparse.ArgumentTypeError(f"{text!r}: 'adapters' stands alone (it means {','.join(ADAPTER_ARMS)})")
     unknown = [name for name in names if name not in ARMS]
     if not names or unknown or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(
@@ -151,8 +153,24 @@ def run(args) -> int:
 
     if args.seed + args.seeds - 1 > MAX_SEED:
         raise KHAError(f"--seed {args.seed} with --seeds {args.seeds} runs past the largest seed, {MAX_SEED}")
+    # options of one mode, given in the other: refused rather than silently ignored
+    continued_only = {
+        "--arms": args.arms != list(DEFAULT_ARMS),
+        "--lr-grid": args.lr_grid != list(LR_GRID_SMALL),
+        "--lr-grid-full": args.lr_grid_full != list(LR_GRID_FULL),
+        "--grid-extensions": args.grid_extensions != 2,
+        "--eval": args.eval,
+        "--limit": args.limit != 100,
+        "--tokenizer": args.tokenizer is not None,
+        "--trust-remote-code": args.trust_remote_code,
+    }
     if args.from_model:
+        if args.bf16:
+            raise KHAError("--bf16 is not used with --from (continued training runs in float32)")
         return _run_continued(args)
+    given = [flag for flag, set_ in continued_only.items() if set_]
+    if given:
+        raise KHAError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --from MODEL")
     from ..training.ab import ab
 
     ab(

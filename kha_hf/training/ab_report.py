@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,4 +128,15 @@ def print_comparison(comparison: dict) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    """DATA as strict JSON: a NaN or infinite loss (a diverged run) is written as null, which every parser reads."""
+    path.write_text(json.dumps(_strict(data), indent=2, allow_nan=False) + "\n")
+
+
+def _strict(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(item) for item in value]
+    return value

@@ -86,16 +86,25 @@ def with_ia3(model: nn.Module) -> nn.Module:
     from peft import IA3Config
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as STANDARD
 
-    if model.config.model_type in STANDARD:
-        return wrap_with_peft(model, IA3Config(task_type="CAUSAL_LM"))
     linear_names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    if "v_proj" not in linear_names:
-        raise KHAError(
-            f"the IA3 control needs separate k_proj/v_proj projections, which {model.config.model_type} does not have"
+    if model.config.model_type in STANDARD:
+        targets = list(STANDARD[model.config.model_type])
+        config = IA3Config(task_type="CAUSAL_LM")
+    else:
+        if "v_proj" not in linear_names:
+            raise KHAError(
+                f"the IA3 control needs separate k_proj/v_proj projections, which {model.config.model_type} does "
+                "not have"
+            )
+        targets = [name for name in ("k_proj", "v_proj", "down_proj") if name in linear_names]
+        feedforward = [name for name in ("down_proj",) if name in linear_names]
+        config = IA3Config(target_modules=targets, feedforward_modules=feedforward, task_type="CAUSAL_LM")
+    absent = [name for name in targets if name not in linear_names]
+    if absent:  # MoE experts in transformers 5 are fused 3-D tensors, not linear layers: PEFT cannot wrap them
+        print(
+            f"IA3 on {model.config.model_type}: no linear {', '.join(absent)} to scale (fused expert weights?); "
+            f"it scales {', '.join(n for n in targets if n in linear_names)} only"
         )
-    targets = [name for name in ("k_proj", "v_proj", "down_proj") if name in linear_names]
-    feedforward = [name for name in ("down_proj",) if name in linear_names]
-    config = IA3Config(target_modules=targets, feedforward_modules=feedforward, task_type="CAUSAL_LM")
     return wrap_with_peft(model, config)
 
 
@@ -107,6 +116,8 @@ def with_shared_oft(model: nn.Module) -> nn.Module:
     from peft import OFTConfig
 
     heads = model.config.get_text_config().num_attention_heads
+    if not isinstance(heads, int) or heads < 1:
+        raise KHAError(f"the OFT control needs the number of attention heads, got {heads!r}")
     # o_proj's input is the heads' outputs side by side, so a block of in_features / heads is one head (this also
     # holds where values are narrower than queries and keys, as in MLA)
     widths = {
@@ -117,8 +128,16 @@ def with_shared_oft(model: nn.Module) -> nn.Module:
             f"the OFT control needs o_proj layers of one input width divisible by the {heads} heads; "
             f"{model.config.model_type} has {sorted(widths) or 'no o_proj'}"
         )
+    # peft 0.21 approximates the Cayley transform by a 5-term Neumann series by default, which stops being
+    # orthogonal once the weights grow (singular values 0.05-234 after 24 steps at lr 3e-2 on SmolLM2): the exact
+    # transform (one head_dim x head_dim solve per layer) keeps the control what it claims to be
     oft = OFTConfig(
-        r=0, oft_block_size=widths.pop() // heads, block_share=True, target_modules=["o_proj"], task_type="CAUSAL_LM"
+        r=0,
+        oft_block_size=widths.pop() // heads,
+        block_share=True,
+        use_cayley_neumann=False,
+        target_modules=["o_proj"],
+        task_type="CAUSAL_LM",
     )
     return wrap_with_peft(model, oft)
 

@@ -107,10 +107,14 @@ def continued_ab(settings: ContinuedAB, output: str | Path = "kha-ab-continued",
     check_training_numbers(max_steps=s.max_steps, seq_len=s.seq_len, batch_size=s.batch_size, seeds=s.seeds)
     if s.knock not in KNOCK_PRESETS:
         raise KHAError(f"unknown knock preset {s.knock!r}; choose one of: {', '.join(KNOCK_PRESETS)}")
+    if isinstance(s.arms, str) or not isinstance(s.arms, (list, tuple)):
+        raise KHAError(f"arms must be a list of arm names, got {s.arms!r}")
+    if list(s.arms) == ["adapters"]:
+        s.arms = ADAPTER_ARMS
     unknown = [arm for arm in s.arms if arm not in ARMS]
     if unknown or not s.arms or len(set(s.arms)) != len(s.arms):
         raise KHAError(
-            f"arms must be distinct names from: {', '.join(ARMS)} (or 'adapters'); got {', '.join(s.arms) or 'none'}"
+            f"arms must be distinct names from: {', '.join(ARMS)}, or ['adapters'] alone; got {list(s.arms)}"
         )
     if not isinstance(s.grid_extensions, int) or not 0 <= s.grid_extensions <= 10:
         raise KHAError(f"grid_extensions must be an integer from 0 to 10, got {s.grid_extensions!r}")
@@ -132,23 +136,22 @@ def continued_ab(settings: ContinuedAB, output: str | Path = "kha-ab-continued",
 @dataclass
 class _Prepared:
     base_dir: Path
-    kha_dir: Path
+    kha_dir: Path | None  # the conversion, made only for the arms that start from it (KHA_ARMS)
     tokenizer: object
     train: object
     validation: object
     heldout: object
     other: object
     targets: list[str]
-    rank: int
-    total_parameters: int
+    rank: int | None  # the LoRA control's, sized only when it runs
     knock: str
 
 
 def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
-    """One conversion; the data splits; the LoRA control's rank."""
+    """The base checkpoint (a GGUF dequantised), the conversion if a KHA arm needs it, the data splits, and the
+    LoRA control's rank if it runs."""
     from ..conversion import convert
     from ..conversion.source import dequantize_gguf, resolve_source
-    from ..modeling.modeling_kha import KHAForCausalLM
     from ..training.data import OTHER_DOMAIN, other_domain_blocks, read_documents, train_validation_heldout_split
 
     source = resolve_source(s.model)
@@ -157,9 +160,11 @@ def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
         base_dir = output / "base"
         print(f"dequantising {source.gguf_file.name} to {base_dir}")
         dequantize_gguf(source.gguf_file, base_dir)
-    kha_dir = output / "kha"
-    print(f"converting {base_dir} to KHA ({s.knock}) in {kha_dir}")
-    convert(base_dir, kha_dir, knock=s.knock, link=True, progress=False)
+    kha_dir = None
+    if any(arm in KHA_ARMS for arm in s.arms):
+        kha_dir = output / "kha"
+        print(f"converting {base_dir} to KHA ({s.knock}) in {kha_dir}")
+        convert(base_dir, kha_dir, knock=s.knock, link=True, progress=False)
     tokenizer = load_tokenizer(base_dir, s.tokenizer, s.trust_remote_code)
     train, validation, heldout = train_validation_heldout_split(
         read_documents(s.data), tokenizer, s.seq_len, max_eval_blocks=s.eval_blocks
@@ -169,11 +174,42 @@ def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
         f"data: {len(train)} train / {len(validation)} validation / {len(heldout)} held-out blocks of {s.seq_len} "
         f"tokens; other domain: {len(other)} blocks of {OTHER_DOMAIN}"
     )
-    probe = KHAForCausalLM.from_pretrained(kha_dir, dtype=torch.float32)
-    knocks = count_knock_parameters(probe)
-    targets = lora_targets(s.knock)
+    s.extra["data"] = {
+        "train_blocks": len(train),
+        "validation_blocks": len(validation),
+        "heldout_blocks": len(heldout),
+        "other_domain_blocks": len(other),
+        "other_domain": OTHER_DOMAIN,
+    }
+    targets, rank = lora_targets(s.knock), None
+    if "lora-matched" in s.arms:
+        rank = _match_lora(s, base_dir, kha_dir, targets)
+    return _Prepared(base_dir, kha_dir, tokenizer, train, validation, heldout, other, targets, rank, s.knock)
+
+
+def _match_lora(s: ContinuedAB, base_dir: Path, kha_dir: Path | None, targets: list[str]) -> int:
+    """The LoRA control's rank: its parameter count on TARGETS closest to the knocks' (counted on the conversion,
+    or on the stock model with the knock adapter when no KHA arm runs)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..modeling.modeling_kha import KHAForCausalLM
+    from ..training.modes import with_knock_adapter
+
+    if kha_dir is not None:
+        probe = KHAForCausalLM.from_pretrained(kha_dir, dtype=torch.float32)
+        knocks = count_knock_parameters(probe)
+    else:
+
+        def stock():
+            return AutoModelForCausalLM.from_pretrained(
+                base_dir, dtype=torch.float32, trust_remote_code=s.trust_remote_code
+            )
+
+        adapted = with_knock_adapter(stock(), s.knock)
+        knocks = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+        del adapted
+        probe = stock()  # its projections unwrapped, as the LoRA will see them
     rank, lora = matched_lora_rank(probe, targets, knocks)
-    total = sum(p.numel() for p in probe.parameters())
     del probe
     off = (lora - knocks) / knocks
     s.extra["parameter_matching"] = {
@@ -184,18 +220,11 @@ def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
         "relative_difference": off,
         "exact": lora == knocks,
     }
-    s.extra["data"] = {
-        "train_blocks": len(train),
-        "validation_blocks": len(validation),
-        "heldout_blocks": len(heldout),
-        "other_domain_blocks": len(other),
-        "other_domain": OTHER_DOMAIN,
-    }
     print(
         f"trainable parameters: knocks {knocks:,}; LoRA r={rank} on {', '.join(targets)}: {lora:,} "
         + ("(exact match)" if lora == knocks else f"({off:+.1%}: no rank matches exactly; the closest is used)")
     )
-    return _Prepared(base_dir, kha_dir, tokenizer, train, validation, heldout, other, targets, rank, total, s.knock)
+    return rank
 
 
 def _build(arm: str, run_seed: int, p: _Prepared, trust_remote_code: bool) -> nn.Module:
@@ -224,6 +253,9 @@ def _train_and_measure(s: ContinuedAB, p: _Prepared, arm: str, run_seed: int, lr
     """One arm at one seed and rate: trained, then its per-block losses on validation, held-out and other-domain."""
     model = _build(arm, run_seed, p, s.trust_remote_code)
     trainable = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    total = sum(x.numel() for x in model.parameters())  # the network this arm runs (adapter weights included)
+    if trainable == 0:
+        raise KHAError(f"the {arm} arm has no trainable parameters on this model: drop it from --arms")
     run = train_arm(
         model,
         arm,
@@ -247,25 +279,23 @@ def _train_and_measure(s: ContinuedAB, p: _Prepared, arm: str, run_seed: int, lr
     tokens = s.max_steps * s.batch_size * s.seq_len
     # training FLOPs, estimated: forward 2N and backward 2N per token through the whole network, plus 2 per
     # trainable parameter and token for the weight gradients (6N for full training)
-    run.flops = (4 * p.total_parameters + 2 * trainable) * tokens
+    run.flops = (4 * total + 2 * trainable) * tokens
     run.model = model if s.run_eval and run_seed == s.seed else None
     return run
 
 
 def _run(s: ContinuedAB, output: Path) -> dict:
     p = _prepare(s, output)
-    start_from = {"base-full": "base-full"}  # every arm starts from the stock model or from its conversion
-    if any(arm in KHA_ARMS for arm in s.arms):
-        start_from["kha-full"] = "kha-full"
-    measured = {}
-    for arm in start_from:
+    before, placements = {}, {}
+    for arm in s.arms:  # each arm as it starts (every adapter should compute what its base computes)
         model = _build(arm, s.seed, p, s.trust_remote_code)
-        measured[arm] = {
+        before[arm] = {
             "heldout": block_losses(model, p.heldout, s.batch_size),
             "other": block_losses(model, p.other, s.batch_size),
         }
+        placements[arm] = _adapted_modules(model)
         del model
-    before = {arm: measured["kha-full" if arm in KHA_ARMS else "base-full"] for arm in s.arms}
+    s.extra["adapted_modules"] = {arm: names for arm, names in placements.items() if names}
 
     # 1. each arm's rate, chosen on the validation split at the first seed
     tuning: dict[str, list[dict]] = {}
@@ -281,6 +311,12 @@ def _run(s: ContinuedAB, output: Path) -> dict:
                 chosen[arm] = run
             if not rates and len(tuning[arm]) < len(s.grid(arm)) + s.grid_extensions:
                 rates = _beyond_the_edge(tuning[arm], chosen[arm].lr)
+    diverged = [arm for arm, run in chosen.items() if _loss(run.validation_loss) == float("inf")]
+    if diverged:
+        raise KHAError(
+            f"every rate tried for {', '.join(diverged)} diverged (validation loss NaN or infinite): try lower rates "
+            "(--lr-grid, --lr-grid-full)"
+        )
     best = {arm: run.lr for arm, run in chosen.items()}
     print("chosen learning rates (validation split): " + ", ".join(f"{a} {lr:g}" for a, lr in best.items()))
 
@@ -326,6 +362,13 @@ def _run(s: ContinuedAB, output: Path) -> dict:
 
 def _mean(values) -> float:
     return sum(values) / len(values)
+
+
+def _adapted_modules(model: nn.Module) -> list[str]:
+    """The kinds of module a PEFT adapter wraps in MODEL (e.g. ["k_proj", "v_proj"]); [] for a model without one."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)})
 
 
 def _loss(value: float) -> float:
@@ -428,7 +471,13 @@ def _print_report(summary: dict) -> None:
 def _evaluate_arms(models: dict, tokenizer, limit: int, output: Path) -> list[dict]:
     """The quick suite on the first seed's models; paired statistics for each comparison."""
     from ..eval.compare import evaluate_loaded, new_task_manager
-    from ..eval.paired import comparison_rows, markdown_table
+    from ..eval.paired import (
+        PER_DOCUMENT_FILE,
+        comparison_rows,
+        markdown_table,
+        per_document_records,
+        write_per_document,
+    )
     from ..eval.suites import SUITES
 
     task_manager = new_task_manager()  # indexes lm-eval's tasks once for every model
@@ -453,7 +502,14 @@ def _evaluate_arms(models: dict, tokenizer, limit: int, output: Path) -> list[di
     for arm, control in _comparisons(list(models)):
         pair_rows = comparison_rows(results[control], results[arm])
         rows.append({"arm": arm, "control": control, "rows": pair_rows})
-        tables.append(f"### {arm} vs {control}\n\n" + markdown_table(pair_rows, results[control], results[arm]))
+        table = markdown_table(pair_rows, results[control], results[arm])
+        tables.append(f"### {arm} vs {control} (eval/{arm}-vs-{control})\n\n" + table)
+        # each comparison's folder is a `kha eval` folder: `kha eval --recompute` re-derives its statistics
+        folder = output / "eval" / f"{arm}-vs-{control}"
+        folder.mkdir(parents=True)
+        write_per_document(folder / PER_DOCUMENT_FILE, per_document_records(results[control], results[arm]))
+        write_json(folder / "summary.json", {"baseline": control, "candidate": arm, "rows": pair_rows})
+        (folder / "table.md").write_text(table + "\n")
     (output / "eval.md").write_text("\n".join(tables))
     print("\n".join(tables))
     return rows

@@ -1,5 +1,6 @@
 """The benchmark scripts keep working: each runs its --quick mode (no timing is asserted, only that it reports)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,28 +58,37 @@ def test_vllm_throughput_table_pairs_rounds():
 
 def test_code_corpus_writes_every_module_once_in_path_order(tmp_path):
     """benchmarks/code_corpus.py, the second training domain of the adapter A/B: every non-empty module of the
-    package, in sorted path order, readable by `kha ab --data`; an existing file is never overwritten."""
-    import importlib.util
-
+    package in sorted path order, decoded as Python decodes it (a latin-1 coding cookie), links out of the package
+    skipped; readable by `kha ab --data`. Never over an existing file; a module or a missing package: one line."""
     from kha_hf.training.data import read_documents
 
-    spec = importlib.util.spec_from_file_location("code_corpus", BENCHMARKS / "code_corpus.py")
-    corpus = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(corpus)
-    package = Path(__import__("kha_hf.peft").peft.__file__).parent
-    expected = [f.read_text() for f in sorted(package.rglob("*.py")) if f.read_text().strip()]
+    package = tmp_path / "src" / "fakepkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("VERSION = 1\n")
+    (package / "b.py").write_bytes("# -*- coding: latin-1 -*-\nNAME = 'café'\n".encode("latin-1"))
+    (package / "sub" / "__init__.py").write_text("")  # empty: dropped
+    (package / "sub" / "a.py").write_text("def f():\n    return 'ü'\n")
+    (tmp_path / "outside.py").write_text("SECRET = 1\n")
+    (package / "link.py").symlink_to(tmp_path / "outside.py")  # out of the package: skipped
+    expected = ["VERSION = 1\n", "# -*- coding: latin-1 -*-\nNAME = 'café'\n", "def f():\n    return 'ü'\n"]
+
+    def corpus(*args):
+        env = {**os.environ, "PYTHONPATH": str(tmp_path / "src")}
+        command = [sys.executable, str(BENCHMARKS / "code_corpus.py"), *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
     out = tmp_path / "code.jsonl"
-    run = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "code_corpus.py"), str(out), "--package", "kha_hf.peft"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = corpus(str(out), "--package", "fakepkg")
     assert run.returncode == 0, run.stderr
-    assert f"wrote {len(expected)} modules of kha_hf.peft" in run.stdout
-    assert read_documents([str(out)]) == expected == [t for _, t in corpus.code_documents("kha_hf.peft")]
-    again = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "code_corpus.py"), str(out)], capture_output=True, text=True, timeout=120
-    )
-    assert again.returncode == 2 and "exists" in again.stderr
+    assert "wrote 3 modules of fakepkg (fakepkg, version unknown)" in run.stdout
+    assert read_documents([str(out)]) == expected
+    for args, message in [
+        ([str(out), "--package", "fakepkg"], "exists"),  # never overwritten
+        ([str(tmp_path / "m.jsonl"), "--package", "fakepkg.b"], "is a module"),
+        ([str(tmp_path / "n.jsonl"), "--package", "no_such_package"], "cannot import"),
+        ([str(tmp_path / "missing" / "o.jsonl"), "--package", "fakepkg"], "is not a folder"),
+    ]:
+        refused = corpus(*args)
+        assert refused.returncode == 2 and message in refused.stderr and len(refused.stderr.strip().splitlines()) <= 3
     assert read_documents([str(out)]) == expected  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["code.jsonl", "outside.py", "src"]  # nothing half-written

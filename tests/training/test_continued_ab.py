@@ -143,6 +143,10 @@ def test_continued_ab_eval_adds_paired_downstream_statistics(tiny_base, tmp_path
         assert {r["task"] for r in rows} == {"arc_easy", "piqa", "copa", "winogrande"}
         assert all(r["paired"]["n"] == 2 and "p_holm" in r["paired"] for r in rows)
     assert "kha-knocks vs lora-matched" in (tmp_path / "out" / "eval.md").read_text()
+    from kha_hf.eval.paired import recompute
+
+    for arm, control in COMPARISONS:  # each comparison is a kha eval folder whose statistics recompute
+        assert recompute(tmp_path / "out" / "eval" / f"{arm}-vs-{control}")["matches"]
     one = summary["comparisons"][0]["heldout"]
     assert one["ci95"] is None and one["excludes_zero"] is None  # one seed: no interval, no verdict
 
@@ -177,11 +181,19 @@ def test_adapter_arms_compare_the_knock_adapter_with_lora_ia3_and_oft(tiny_base,
     assert arms["knock-adapter"]["trainable_parameters"] == arms["lora-matched"]["trainable_parameters"] == 2304
     assert arms["ia3"]["trainable_parameters"] == layers * (kv + kv + config.intermediate_size)  # k, v, down's input
     assert arms["oft"]["trainable_parameters"] == layers * head_dim * (head_dim - 1) // 2  # one shared block
-    for key in ("heldout_before", "other_domain_before"):  # every adapter starts as the identity on the stock model
+    for key in ("heldout_before", "other_domain_before"):  # each adapter, measured as built, is the stock model
         values = {a[key] for a in arms.values()}
         assert max(values) - min(values) < 1e-6, values
     for arm in arms.values():  # each trained: its held-out loss moved
         assert arm["heldout_after_mean"] != arm["heldout_before"]
+    assert summary["adapted_modules"] == {
+        "knock-adapter": ["v_proj"],
+        "lora-matched": ["v_proj"],
+        "ia3": ["down_proj", "k_proj", "v_proj"],
+        "oft": ["o_proj"],
+    }
+    assert not (tmp_path / "out" / "kha").exists()  # no arm starts from a conversion: none is made
+    assert summary["parameter_matching"]["exact"]  # the LoRA sized on the knock adapter's count
     assert [t["lr"] for t in summary["tuning"]["oft"]] == [1e-3, 1e-2]
     assert set(summary["at_grid_edge"]) == set(arms) and all(summary["at_grid_edge"].values())  # 2, not extended
     pairs = [(c["arm"], c["control"]) for c in summary["comparisons"]]
@@ -204,7 +216,12 @@ def test_the_knock_adapter_arm_trains_as_the_converted_models_knocks(tiny_base, 
 
 @pytest.mark.parametrize(
     "arms, message",
-    [("lora,ia3", "lora unknown"), ("ia3,ia3", "give distinct arms"), (",", "give distinct arms")],
+    [
+        ("lora,ia3", "lora unknown"),
+        ("ia3,ia3", "give distinct arms"),
+        (",", "give distinct arms"),
+        ("adapters,ia3", "'adapters' stands alone"),
+    ],
 )
 def test_bad_arms_are_refused_in_one_line(tmp_path, capsys, arms, message):
     with pytest.raises(SystemExit) as exit_:  # argparse
@@ -278,3 +295,49 @@ def test_an_interior_best_rate_ends_the_tuning_at_the_grid():
     assert _beyond_the_edge(tried, 1e-2) == pytest.approx([1e-2 * 1e-2 / 3e-3]) and _at_edge(tried, 1e-2)
     assert _beyond_the_edge(tried, 1e-3) == pytest.approx([1e-3 * 1e-3 / 3e-3])
     assert _beyond_the_edge(tried[:1], 1e-3) == []  # one rate: no step to take
+
+
+def test_an_adapter_that_does_not_start_as_the_identity_shows_in_its_before_loss(tiny_base, tmp_path, monkeypatch):
+    """Each arm's starting losses are measured on that arm as built, not copied from the base: an IA3 whose scales
+    start at 3 instead of 1 reports a different starting loss."""
+    import torch
+
+    import kha_hf.training.modes as modes
+
+    honest = modes.with_ia3
+
+    def scaled_ia3(model):
+        model = honest(model)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "ia3_l" in name:
+                    param.fill_(3.0)
+        return model
+
+    monkeypatch.setattr(modes, "with_ia3", scaled_ia3)
+    summary = continued_ab(tiny_settings(tiny_base, arms=("lora-matched", "ia3")), output=tmp_path / "out")
+    arms = summary["arms"]
+    assert abs(arms["ia3"]["heldout_before"] - arms["lora-matched"]["heldout_before"]) > 1e-3
+
+
+def test_an_arm_without_trainable_parameters_or_with_every_rate_diverging_is_refused(tiny_base, tmp_path, monkeypatch):
+    import kha_hf.training.modes as modes
+    from kha_hf.common.errors import KHAError
+
+    with pytest.raises(KHAError, match="every rate tried for knock-adapter diverged"):
+        settings = tiny_settings(tiny_base, arms=("knock-adapter",), lr_grid_small=(1e30,))
+        continued_ab(settings, output=tmp_path / "nan")
+    assert not (tmp_path / "nan").exists()
+    honest = modes.with_shared_oft
+    monkeypatch.setattr(modes, "with_shared_oft", lambda model: honest(model).requires_grad_(False))
+    with pytest.raises(KHAError, match="the oft arm has no trainable parameters"):
+        continued_ab(tiny_settings(tiny_base, arms=("oft",)), output=tmp_path / "frozen")
+
+
+def test_options_of_continued_training_are_refused_without_from(capsys):
+    assert main(["ab", "--arms", "oft", "--max-steps", "1"]) == 2
+    assert "--arms applies only with --from MODEL" in capsys.readouterr().err
+    assert main(["ab", "--eval", "--lr-grid", "1e-3"]) == 2
+    assert "--lr-grid, --eval apply only with --from MODEL" in capsys.readouterr().err
+    assert main(["ab", "--from", "somewhere", "--bf16"]) == 2
+    assert "--bf16 is not used with --from" in capsys.readouterr().err
