@@ -341,3 +341,22 @@ def test_options_of_continued_training_are_refused_without_from(capsys):
     assert "--lr-grid, --eval apply only with --from MODEL" in capsys.readouterr().err
     assert main(["ab", "--from", "somewhere", "--bf16"]) == 2
     assert "--bf16 is not used with --from" in capsys.readouterr().err
+
+
+def test_the_oft_control_stays_orthogonal_at_any_weight():
+    """peft 0.21's default Neumann series drifts from orthogonal as the weights grow (as training at a tuned rate
+    makes them); the control uses the exact Cayley transform, orthogonal for any weight."""
+    import torch
+
+    from kha_hf.training.modes import with_shared_oft
+    from tests.helpers import tiny_base_model
+
+    model = with_shared_oft(tiny_base_model("llama"))
+    rotation = model.base_model.model.model.layers[0].self_attn.o_proj.oft_R["default"]
+    with torch.no_grad():
+        rotation.weight.copy_(torch.randn_like(rotation.weight) * 3)
+        block = rotation._cayley_batch(
+            rotation.weight, rotation.block_size, rotation.use_cayley_neumann, rotation.num_cayley_neumann_terms
+        )[0]
+    eye = torch.eye(rotation.block_size)
+    assert torch.allclose(block @ block.T, eye, atol=1e-4)
