@@ -71,14 +71,6 @@ def with_lora(model: nn.Module, targets: list[str], rank: int) -> nn.Module:
     return wrap_with_peft(model, config)
 
 
-def with_knock_adapter(model: nn.Module, knock: str) -> nn.Module:
-    """MODEL (a stock model) wrapped by PEFT with kha-hf's knock adapter of preset KNOCK: the knocks without a
-    conversion (`KnockConfig`)."""
-    from ..peft import KnockConfig
-
-    return wrap_with_peft(model, KnockConfig(knock=knock))
-
-
 def with_ia3(model: nn.Module) -> nn.Module:
     """MODEL wrapped by PEFT with IA3 (learned scales of features, everything else frozen) at PEFT's standard
     placement for the family; for a family PEFT's table lacks, at its Llama placement: the keys, the values and the

@@ -187,13 +187,20 @@ def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
     return _Prepared(base_dir, kha_dir, tokenizer, train, validation, heldout, other, targets, rank, s.knock)
 
 
+def with_knock_adapter(model: nn.Module, knock: str) -> nn.Module:
+    """MODEL (a stock model) wrapped by PEFT with kha-hf's knock adapter of preset KNOCK (`KnockConfig`)."""
+    from ..peft import KnockConfig
+    from ..training.modes import wrap_with_peft
+
+    return wrap_with_peft(model, KnockConfig(knock=knock))
+
+
 def _match_lora(s: ContinuedAB, base_dir: Path, kha_dir: Path | None, targets: list[str]) -> int:
     """The LoRA control's rank: its parameter count on TARGETS closest to the knocks' (counted on the conversion,
     or on the stock model with the knock adapter when no KHA arm runs)."""
     from transformers import AutoModelForCausalLM
 
     from ..modeling.modeling_kha import KHAForCausalLM
-    from ..training.modes import with_knock_adapter
 
     if kha_dir is not None:
         probe = KHAForCausalLM.from_pretrained(kha_dir, dtype=torch.float32)
@@ -231,7 +238,7 @@ def _build(arm: str, run_seed: int, p: _Prepared, trust_remote_code: bool) -> nn
     from transformers import AutoModelForCausalLM
 
     from ..modeling.modeling_kha import KHAForCausalLM
-    from ..training.modes import prepare_for_mode, with_ia3, with_knock_adapter, with_lora, with_shared_oft
+    from ..training.modes import prepare_for_mode, with_ia3, with_lora, with_shared_oft
 
     torch.manual_seed(run_seed)  # the LoRA A matrices are random (the other adapters start as the identity)
     if arm in KHA_ARMS:
