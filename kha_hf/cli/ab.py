@@ -20,6 +20,8 @@ LR_GRID_SMALL = (1e-3, 3e-3, 1e-2)
 ARMS = ("base-full", "kha-full", "kha-knocks", "lora-matched", "knock-adapter", "ia3", "oft")  # = the workflow's
 DEFAULT_ARMS = ARMS[:4]
 ADAPTER_ARMS = ("knock-adapter", "lora-matched", "ia3", "oft")
+GRID_EXTENSIONS = 2  # = the workflow's
+EVAL_LIMIT = 100
 
 
 def extension_count(text) -> int:
@@ -127,7 +129,7 @@ def add_parser(sub) -> None:
     cont.add_argument(
         "--grid-extensions",
         type=extension_count,
-        default=2,
+        default=GRID_EXTENSIONS,
         help="when an arm's best rate is the lowest or highest of its grid, try up to this many rates beyond that "
         "edge, one grid step at a time (0: the grid only)",
     )
@@ -139,7 +141,7 @@ def add_parser(sub) -> None:
         "(the knock adapter against PEFT's LoRA, IA3 and OFT on the stock model) (default: %(default)s)",
     )
     cont.add_argument("--eval", action="store_true", help="also run the quick lm-eval suite (paired statistics)")
-    cont.add_argument("--limit", type=positive_int, default=100, help="documents per eval task (--eval)")
+    cont.add_argument("--limit", type=positive_int, default=EVAL_LIMIT, help="documents per eval task (--eval)")
     cont.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="tokenizer to use when MODEL has none")
     cont.add_argument(
         "--trust-remote-code", action="store_true", help="run model code shipped inside MODEL (never by default)"
@@ -158,9 +160,9 @@ def run(args) -> int:
         "--arms": args.arms != list(DEFAULT_ARMS),
         "--lr-grid": args.lr_grid != list(LR_GRID_SMALL),
         "--lr-grid-full": args.lr_grid_full != list(LR_GRID_FULL),
-        "--grid-extensions": args.grid_extensions != 2,
+        "--grid-extensions": args.grid_extensions != GRID_EXTENSIONS,
         "--eval": args.eval,
-        "--limit": args.limit != 100,
+        "--limit": args.limit != EVAL_LIMIT,
         "--tokenizer": args.tokenizer is not None,
         "--trust-remote-code": args.trust_remote_code,
     }

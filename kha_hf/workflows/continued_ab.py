@@ -1,8 +1,8 @@
 """`kha ab --from MODEL`: should I convert a real checkpoint to KHA before continued training, and do the knocks
 beat a control of their size?
 
-MODEL (folder, Hub id or .gguf) is converted once; the chosen arms (`arms`; by default the first four) then train
-with identical data, data order, steps and optimiser:
+MODEL (folder, Hub id or .gguf) is converted once if an arm starts from the conversion (b, c); the chosen arms
+(`arms`; by default the first four) then train with identical data, data order, steps and optimiser:
 
 - (a) `base-full`: the base model, every weight trained;          (b) `kha-full`: its KHA conversion, likewise.
 - (c) `kha-knocks`: only the knocks of the conversion train;      (d) `lora-matched`: a LoRA on the projections the
