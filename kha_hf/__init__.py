@@ -23,7 +23,7 @@ def register_auto_classes() -> None:
     from transformers import AutoConfig
 
     from .modeling.configuration_kha import TASK_HEADS
-    from .modeling.modeling_kha import PUBLIC_HEADS, KHAForCausalLM, KHAModel
+    from .modeling.modeling_kha import PUBLIC_HEADS, KHAForCausalLM, KHAForConditionalGeneration, KHAModel
     from .modeling.modeling_kha import register_auto_classes as register_model_classes
 
     AutoConfig.register(KHAConfig.model_type, KHAConfig, exist_ok=True)
@@ -32,6 +32,7 @@ def register_auto_classes() -> None:
     KHAConfig.register_for_auto_class("AutoConfig")
     KHAModel.register_for_auto_class("AutoModel")
     KHAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    KHAForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")  # multimodal models
     for name, head in PUBLIC_HEADS.items():  # reward models, classifiers, extractive QA
         head.register_for_auto_class(TASK_HEADS[name][0])
     from .peft import register_knock_method
@@ -49,6 +50,7 @@ if not getattr(sys.modules.get("kha_hf_entry"), "DEFER_REGISTRATION", False):
 # the Trainer, lm-eval, ...): `from kha_hf import KHAForCausalLM, convert`.
 _LAZY = {
     "KHAForCausalLM": ".modeling.modeling_kha",
+    "KHAForConditionalGeneration": ".modeling.modeling_kha",
     "KHAModel": ".modeling.modeling_kha",
     "KHAPreTrainedModel": ".modeling.modeling_kha",
     "KHAForSequenceClassification": ".modeling.modeling_kha",
@@ -90,6 +92,7 @@ __all__ = [
     "KHAConfig",
     "KHAError",
     "KHAForCausalLM",
+    "KHAForConditionalGeneration",
     "KHAForQuestionAnswering",
     "KHAForSequenceClassification",
     "KHAForTokenClassification",

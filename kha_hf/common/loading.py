@@ -251,6 +251,19 @@ def load_tokenizer(
         ) from err
 
 
+# A multimodal checkpoint's image processor: one of these files (beside the tokenizer's)
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def is_multimodal_checkpoint(folder: Path) -> bool:
+    """True when FOLDER's config.json is a multimodal model around a text decoder (stock or KHA): gemma3, ..."""
+    from ..modeling.configuration_kha import multimodal_text_type
+
+    config = read_config_dict(folder) or {}
+    model_type = config.get("base_model_type") if config.get("model_type") == "kha" else config.get("model_type")
+    return multimodal_text_type(model_type) is not None
+
+
 def load_causal_lm(
     ref: str | Path,
     dtype: str = "float32",
@@ -279,11 +292,16 @@ def load_causal_lm(
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    auto = AutoModelForCausalLM
+    if gguf is None and path.is_dir() and is_multimodal_checkpoint(path):
+        from transformers import AutoModelForImageTextToText  # Qwen2.5-VL has no AutoModelForCausalLM entry
+
+        auto = AutoModelForImageTextToText
     try:
         if gguf is not None:
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_pretrained(ref, **remote_code_kwargs(ref, trust_remote_code), **kwargs)
+            model = auto.from_pretrained(ref, **remote_code_kwargs(ref, trust_remote_code), **kwargs)
     except (OSError, ValueError) as err:
         remote = _remote_code_error(ref, err)
         if remote is not None:

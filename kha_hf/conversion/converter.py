@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from ..common.checks import (
     check_weights_match_config,
 )
 from ..common.errors import KHAError
+from ..common.loading import PROCESSOR_FILES
 from ..common.model_card import SourceCard, kha_card, read_source_card
 from ..common.model_code import copy_model_code
 from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
@@ -39,6 +41,7 @@ from ..modeling.configuration_kha import (
     KHAConfig,
     base_config_class,
     kha_architecture,
+    multimodal_text_type,
     resolve_knock_preset,
 )
 from ..modeling.families import family_spec
@@ -78,6 +81,7 @@ class ConversionResult:
     config: KHAConfig
     knock_tensors: list[str] = field(default_factory=list)
     shards: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # what a usable model of its kind lacks (a processor)
 
 
 def convert(
@@ -179,27 +183,43 @@ def check_base_config(base_config: dict, folder: Path) -> None:
         kha_architecture(architectures_of(base_config, str(folder / "config.json")), model_type)
     except ValueError as err:
         raise KHAError(f"{folder}: {err}") from err
-    missing = [name for name in REQUIRED_FIELDS if name not in base_config]
-    if missing:
-        raise KHAError(f"{folder / 'config.json'} lacks required fields: {', '.join(missing)}")
+    text_config = base_config
+    if multimodal_text_type(model_type) is not None:  # its text decoder's fields may be left to their defaults
+        text_config = base_config.get("text_config")
+        if not isinstance(text_config, dict):
+            raise KHAError(f"{folder / 'config.json'}: a {model_type} model needs a text_config object")
+        check_config_numbers(text_config, f"{folder / 'config.json'} (text_config)")
+    else:
+        missing = [name for name in REQUIRED_FIELDS if name not in base_config]
+        if missing:
+            raise KHAError(f"{folder / 'config.json'} lacks required fields: {', '.join(missing)}")
     check_config_numbers(base_config, str(folder / "config.json"))
 
 
 def check_layout(config: KHAConfig, base_config: dict, tensors: dict[str, TensorInfo], folder: Path) -> None:
-    """The weights must match the config: layer count, vocabulary and the attention projections' sizes; a model
-    type that is not in the family table must also be buildable (its attention code follows a known layout)."""
+    """The weights must match the config: layer count, vocabulary and the attention projections' sizes (of the text
+    decoder, in a multimodal model: the vision tower is left as it is); a model type that is not in the family
+    table must also be buildable (its attention code follows a known layout)."""
     where = str(folder / "config.json")
-    check_weights_match_config(base_config, tensors, where)
-    check_attention_layout(config, tensors, where)
+    text = config.knock_config
+    if config.is_multimodal:
+        prefix = layer_prefix(tensors, config)
+        text_tensors = {name: info for name, info in tensors.items() if name.startswith(prefix)}
+        check_weights_match_config(text.to_dict(), text_tensors, f"{where} (text_config)")
+        check_attention_layout(text, text_tensors, f"{where} (text_config)")
+    else:
+        check_weights_match_config(base_config, tensors, where)
+        check_attention_layout(config, tensors, where)
     # the head the KHA checkpoint will name is in the weights, in the config's shape (a causal LM holds none)
     check_head_weights(
         base_config, kha_architecture(base_config.get("architectures"), config.base_model_type), tensors, where
     )
-    if not family_spec(config.base_model_type).verified:
+    if config.is_multimodal or not family_spec(text.base_model_type).verified:
         from ..modeling.modeling_kha import family_classes
 
         try:
             family_classes(config.base_model_type)
+            family_classes(text.base_model_type)
         except ValueError as err:
             raise KHAError(str(err)) from err
 
@@ -228,7 +248,7 @@ def _convert_folder(
         raise KHAError(f"invalid {source.folder / 'config.json'}: {err}") from err
     tensors = read_checkpoint_index(source.folder)
     try:
-        prefix = layer_prefix(tensors, config.base_model_type)
+        prefix = layer_prefix(tensors, config)
     except ValueError as err:
         raise KHAError(f"{source.folder}: {err}") from err
     check_layout(config, base_config, tensors, source.folder)
@@ -276,10 +296,20 @@ def _convert_folder(
     config.architectures = [kha_architecture(base_config.get("architectures"), config.base_model_type)]
     config.to_json_file(out / "config.json")
     copy_model_code(out)
-    carry_over_files(source.folder, out)
+    carried = carry_over_files(source.folder, out)
+    missing = []
+    if config.is_multimodal and not set(carried) & set(PROCESSOR_FILES):
+        # the weights, config and tokenizer are still written: the processor can be added next to them later
+        missing.append("processor")
+        print(
+            f"note: {source.name} has no image processor ({' / '.join(PROCESSOR_FILES)}): the KHA checkpoint has "
+            "the model and its tokenizer; copy those files from the base model's repository to feed it images",
+            file=sys.stderr,
+        )
     title = f"{card.base_model or source.name} with Knocking-Heads Attention"
     (out / "README.md").write_text(kha_card(config, card, title, CONVERTED if knocks_from is None else FROM_ADAPTER))
-    return ConversionResult(out, source.name, config, sorted(knocks), [renamed.get(s, s) for s in shards])
+    shard_names = [renamed.get(s, s) for s in shards]
+    return ConversionResult(out, source.name, config, sorted(knocks), shard_names, missing)
 
 
 def adapter_kha_config(base_config: dict, adapter: TrainedKnocks, folder: Path) -> KHAConfig:

@@ -19,7 +19,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from ..common.checks import architectures_of, check_head_weights
 from ..common.errors import KHAError
@@ -46,7 +49,9 @@ class FoldResult:
 def fold_plan(
     config: KHAConfig, tensors: dict, prefix: str, knocks: dict[str, torch.Tensor], linear: list[str]
 ) -> dict[str, list[tuple[torch.Tensor, list[tuple[int, int]]]]]:
-    """Projection tensor name -> [(knock matrix, rows it applies to), ...] for the LINEAR knock targets."""
+    """Projection tensor name -> [(knock matrix, rows it applies to), ...] for the LINEAR knock targets (of the
+    text decoder, in a multimodal model)."""
+    config = config.knock_config
     layout = family_spec(config.base_model_type).layout
     plan: dict[str, list[tuple[torch.Tensor, list[tuple[int, int]]]]] = {}
     for layer in config.knocked_layers:
@@ -69,7 +74,7 @@ def checked_fold_plan(
     """(`fold_plan` of KHA_DIR's LINEAR knocks, the knock tensors it absorbs), after checking that the knocks are
     there, of the right shape and finite."""
     try:
-        prefix = layer_prefix(tensors, config.base_model_type)
+        prefix = layer_prefix(tensors, config)
     except ValueError as err:
         raise KHAError(f"{kha_dir}: {err}") from err
     check_knock_tensors(config, tensors, prefix, kha_dir)
@@ -160,7 +165,12 @@ def fold(
         else:
             base = config.to_base_config()
             heads = family_heads(config.base_model_type)  # a reward model or classifier keeps its head class
-            base.architectures = [heads.get(kind) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.base_model_type]]
+            models = (
+                MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+                if config.is_multimodal
+                else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            )
+            base.architectures = [heads.get(kind) or models[config.base_model_type]]
             base.dtype = config.dtype
             base.to_json_file(tmp / "config.json")
         source = read_source_card(kha_dir)

@@ -45,7 +45,7 @@ def knock_matrices(kha_dir: Path) -> list[tuple[int, str, str, torch.Tensor]]:
     config = read_kha_config(kha_dir)
     tensors = read_checkpoint_index(kha_dir)
     try:
-        prefix = layer_prefix(tensors, config.base_model_type)
+        prefix = layer_prefix(tensors, config)
     except ValueError as err:
         raise KHAError(f"{kha_dir}: {err}") from err
     check_knock_tensors(config, tensors, prefix, kha_dir)  # every matrix d_h x d_h, as the config says

@@ -33,17 +33,29 @@ def projection_key(prefix: str, layer: int, projection: str, part: str = "weight
     return f"{prefix}layers.{layer}.self_attn.{projection}.{part}"
 
 
-def layer_prefix(tensor_names, model_type: str) -> str:
-    """The prefix in front of `layers.` in a checkpoint (`model.` for ...ForCausalLM checkpoints)."""
+def layer_prefix(tensor_names, config: KHAConfig) -> str:
+    """The prefix in front of the text decoder's `layers.` in a checkpoint of CONFIG's model: `model.` for
+    ...ForCausalLM checkpoints, `model.language_model.` (Gemma 3, Qwen2.5-VL), `model.text_model.` (SmolVLM),
+    `language_model.model.` (Llama 4, and Hub checkpoints of the older multimodal layout)."""
+    model_type = config.knock_config.base_model_type
     projections = set(family_spec(model_type).layout)
+    prefixes: list[str] = []
     for name in tensor_names:
         match = _PROJECTION_KEY.match(name)
-        if match and match.group("projection") in projections:
-            return match.group("prefix")
-    raise ValueError(
-        f"no `layers.N.self_attn.{{{', '.join(sorted(projections))}}}.weight` tensor: the weights do not follow the "
-        f"{model_type} attention layout"
-    )
+        if match and match.group("projection") in projections and match.group("prefix") not in prefixes:
+            prefixes.append(match.group("prefix"))
+    if not prefixes:
+        raise ValueError(
+            f"no `layers.N.self_attn.{{{', '.join(sorted(projections))}}}.weight` tensor: the weights do not follow "
+            f"the {model_type} attention layout"
+        )
+    if len(prefixes) == 1 or not config.is_multimodal:
+        return prefixes[0]
+    # a multimodal checkpoint whose vision tower names its attention as the text decoder does (SigLIP, Pixtral)
+    text = [p for p in prefixes if "language_model." in p or "text_model." in p]
+    if len(text) != 1:
+        raise ValueError(f"cannot tell the text decoder's layers from the vision tower's: {', '.join(prefixes)}")
+    return text[0]
 
 
 def knock_specs(config: KHAConfig, prefix: str = "model.") -> dict[str, tuple[str, int]]:

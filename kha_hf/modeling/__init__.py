@@ -10,7 +10,7 @@ from .configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS, SUPPORTED_BASE_MODE
 def __getattr__(name: str):
     # The model classes import transformers' modeling stack (about a second): only when asked for, so that the
     # `kha` command can show its help and check its arguments first.
-    if name in ("KHAForCausalLM", "KHAModel", "KHAPreTrainedModel", *TASK_HEADS):
+    if name in ("KHAForCausalLM", "KHAForConditionalGeneration", "KHAModel", "KHAPreTrainedModel", *TASK_HEADS):
         from . import modeling_kha as module
     elif name in ("KnockLinear", "LinearKnock", "MLPKnock"):
         from . import knocks as module
@@ -25,6 +25,7 @@ __all__ = [
     "SUPPORTED_BASE_MODEL_TYPES",
     "KHAConfig",
     "KHAForCausalLM",
+    "KHAForConditionalGeneration",
     "KHAForQuestionAnswering",
     "KHAForSequenceClassification",
     "KHAForTokenClassification",

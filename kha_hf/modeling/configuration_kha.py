@@ -44,23 +44,54 @@ if _release(transformers.__version__) < _release(MIN_TRANSFORMERS):
     )
 
 
-def base_config_class(model_type: str | None) -> type[PreTrainedConfig]:
-    """transformers' config class of a base family; ValueError naming the supported ones otherwise."""
+def multimodal_text_type(model_type: str | None) -> str | None:
+    """`None` unless MODEL_TYPE is a multimodal wrapper around a text decoder (an image-text-to-text model whose
+    config has a `text_config`: gemma3, qwen2_5_vl, mistral3, idefics3, ...); then the model_type of its default text
+    decoder (a checkpoint's own `text_config.model_type` is what counts: `KHAConfig.knock_config`)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if not isinstance(model_type, str) or model_type in FAMILIES:
+        return None
+    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or model_type not in CONFIG_MAPPING:
+        return None
+    family = CONFIG_MAPPING[model_type]
+    spec = (getattr(family, "sub_configs_defaults", None) or {}).get("text_config")
+    if spec is not None:  # transformers >= 5.24
+        return getattr(spec.config_class, "model_type", None) or spec.model_type or ""
+    text_class = family.sub_configs.get("text_config")  # older 5.x: the class only ("" when it is AutoConfig)
+    return None if text_class is None else getattr(text_class, "model_type", "") or ""
+
+
+def base_config_class(model_type: str | None) -> type[PreTrainedConfig]:
+    """transformers' config class of a base family or of a multimodal wrapper around one; ValueError naming the
+    supported ones otherwise."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
     if model_type in FAMILIES:
         return CONFIG_MAPPING[model_type]
-    if model_type in CONFIG_MAPPING and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if multimodal_text_type(model_type) is not None:
+        return CONFIG_MAPPING[model_type]  # its text decoder is checked where the knocks are made (knock_config)
+    decoder = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type in MODEL_MAPPING_NAMES
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING and decoder:
         # A family the table does not list is tried with the standard layout: it must at least name its sizes as
-        # the standard families do (its attention code is checked when a model is built: modeling_kha).
+        # the standard families do (its attention code is checked when a model is built: modeling_kha). Text
+        # decoders that live only inside a multimodal model (qwen2_5_vl_text: a body, no causal LM) come this way.
         family = CONFIG_MAPPING[model_type]
         names = {f.name for f in dataclasses.fields(family)} if dataclasses.is_dataclass(family) else set()
         if {"hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads"} <= names:
             return family
-    hint = " (use its text model, model_type 'gemma3_text')" if model_type == "gemma3" else ""
+        raise ValueError(
+            f"unsupported base model type {model_type!r}: it does not name its attention sizes as the decoders KHA "
+            "knocks do "
+            "(hidden_size, num_attention_heads, num_key_value_heads: an older decoder, or a vision, audio or encoder "
+            f"model); KHA supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)} and multimodal models around them "
+            "(gemma3, qwen2_5_vl, mistral3, idefics3, ...)"
+        )
     raise ValueError(
-        f"unsupported base model type {model_type!r}{hint}; KHA supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
+        f"unsupported base model type {model_type!r}; KHA supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)} and "
+        "multimodal models around them (gemma3, qwen2_5_vl, mistral3, idefics3, ...)"
     )
 
 
@@ -108,10 +139,13 @@ TASK_HEADS: dict[str, tuple[str, str]] = {
 
 
 def family_heads(model_type: str | None) -> dict[str, str]:
-    """KHA head class name -> the family's own transformers class name, for the heads MODEL_TYPE has."""
+    """KHA head class name -> the family's own transformers class name, for the heads MODEL_TYPE has (none for a
+    multimodal model: its heads are not tested here, so a checkpoint with one is refused rather than guessed)."""
     from transformers.models.auto import modeling_auto
 
     heads = {}
+    if multimodal_text_type(model_type) is not None:
+        return heads
     for public, (_, mapping) in TASK_HEADS.items():
         name = getattr(modeling_auto, mapping, {}).get(model_type)
         if isinstance(name, str):
@@ -122,6 +156,8 @@ def family_heads(model_type: str | None) -> dict[str, str]:
 def auto_map_for(model_type: str | None) -> dict[str, str]:
     """The remote-code entry points of a KHA config of MODEL_TYPE: the model, the causal LM and the family's heads."""
     entries = dict(AUTO_MAP)
+    if multimodal_text_type(model_type) is not None:  # image-text-to-text: the family's ...ForConditionalGeneration
+        entries["AutoModelForImageTextToText"] = "modeling_kha.KHAForConditionalGeneration"
     for public in family_heads(model_type):
         entries[TASK_HEADS[public][0]] = f"modeling_kha.{public}"
     return entries
@@ -143,23 +179,27 @@ def kha_architecture(architectures: list[str] | None, model_type: str | None) ->
         return named[0]
     from transformers.models.auto import modeling_auto
 
-    known = {
-        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
-        modeling_auto.MODEL_MAPPING_NAMES.get(model_type),
-    }
+    multimodal = multimodal_text_type(model_type) is not None  # an image-text-to-text model (no task heads)
+    models = (
+        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        if multimodal
+        else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
+    known = {models.get(model_type), modeling_auto.MODEL_MAPPING_NAMES.get(model_type)}
     unknown = [name for name in names if name not in known]
     if unknown:
+        what = "an image-text-to-text model" if multimodal else "a causal LM or a task head"
         raise ValueError(
-            f"its architecture {unknown[0]} is not a causal LM or a task head KHA has for {model_type} "
+            f"its architecture {unknown[0]} is not {what} KHA has for {model_type} "
             f"({', '.join([*sorted(n for n in known if n), *heads.values()])}): converting it would drop its head"
         )
-    return "KHAForCausalLM"
+    return "KHAForConditionalGeneration" if multimodal else "KHAForCausalLM"
 
 
 def _public_class_name(name: str) -> str:
     if not name.startswith("KHA"):
         return name
-    for public in ("KHAForCausalLM", *TASK_HEADS):
+    for public in ("KHAForCausalLM", "KHAForConditionalGeneration", *TASK_HEADS):
         if name.endswith(public.removeprefix("KHA")):
             return public
     if name.endswith("Model"):
@@ -208,6 +248,17 @@ def resolve_knock_preset(knock: str) -> tuple[str, str, str]:
     return KNOCK_PRESETS[knock]
 
 
+class _FamilySubConfigs:
+    """`KHAConfig.sub_configs`: none on the class, the base family's on an instance (a multimodal model's
+    text_config / vision_config). transformers walks them to give every sub-model the attention implementation."""
+
+    def __get__(self, obj: Any, owner: type) -> dict[str, type]:
+        if obj is None:
+            return {}
+        family = base_config_class(obj.base_model_type)
+        return {key: cls for key, cls in family.sub_configs.items() if getattr(obj, key, None) is not None}
+
+
 class KHAConfig(PreTrainedConfig):
     r"""
     Configuration of a KHA model: the configuration of a base family (Llama, Qwen, Gemma, Phi-3, OLMo, GPT-OSS,
@@ -230,6 +281,7 @@ class KHAConfig(PreTrainedConfig):
 
     model_type = "kha"
     attribute_map: ClassVar[dict[str, str]] = {}  # each instance holds its family's (see __post_init__)
+    sub_configs = _FamilySubConfigs()
     keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
 
     base_model_type: str = "llama"
@@ -253,6 +305,8 @@ class KHAConfig(PreTrainedConfig):
         own_fields = {f.name for f in dataclasses.fields(self)}
         base = family(**{k: v for k, v in kwargs.items() if k not in _FILE_KEYS})
         base_values = {k: v for k, v in base.to_dict().items() if k not in _FILE_KEYS and k not in own_fields}
+        # A multimodal model's sub-configs stay the family's config objects (its code reads config.text_config.x)
+        base_values.update({key: getattr(base, key) for key in family.sub_configs if key in base_values})
         passthrough = {k: v for k, v in kwargs.items() if k in _RUNTIME_KEYS}
         super().__post_init__(**{**base_values, **passthrough})
         self._validate_knocks()
@@ -268,7 +322,8 @@ class KHAConfig(PreTrainedConfig):
         # rank holds whole heads, and a knock acts on each head's features alone. A rank's knock gradient covers
         # only its heads, so it is summed across ranks (as Qwen3's q/k norms are).
         family_plan = dict(family.base_model_tp_plan or {})
-        self.base_model_tp_plan = {**family_plan, **_knock_tp_plan(self, family_plan)}
+        knocks_plan = {} if self.is_multimodal else _knock_tp_plan(self, family_plan)
+        self.base_model_tp_plan = {**family_plan, **knocks_plan}
         self.base_model_pp_plan = dict(family.base_model_pp_plan or {})
 
     def _validate_knocks(self) -> None:
@@ -276,6 +331,9 @@ class KHAConfig(PreTrainedConfig):
             value = getattr(self, f"knock_{target}")
             if value not in allowed:
                 raise ValueError(f"knock_{target}={value!r} is not valid; choose one of: {', '.join(allowed)}")
+        if self.is_multimodal:
+            self.knock_layers = self.knock_config.knock_layers  # the text decoder's config validates them
+            return
         spec = family_spec(self.base_model_type)
         if spec.linear_only and "mlp" in (self.knock_q, self.knock_k, self.knock_v):
             raise ValueError(
@@ -320,8 +378,32 @@ class KHAConfig(PreTrainedConfig):
 
     # -- derived views -------------------------------------------------------------------------------------------
     @property
+    def is_multimodal(self) -> bool:
+        """True for a multimodal model (gemma3, qwen2_5_vl, ...): the knocks act in its text decoder only."""
+        return multimodal_text_type(self.base_model_type) is not None
+
+    @property
+    def knock_config(self) -> KHAConfig:
+        """The config the knocks are made from: this one, or for a multimodal model a KHA config of its text decoder
+        (`text_config`) with this config's knocks. ValueError when that decoder is not one KHA can knock."""
+        if not self.is_multimodal:
+            return self
+        text = self.text_config
+        text_type = getattr(text, "model_type", None)
+        if text_type == self.model_type or not _is_base_family(text_type):
+            raise ValueError(
+                f"the text decoder of this {self.base_model_type} model is {text_type!r}, which KHA does not support; "
+                f"KHA supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
+            )
+        types = {f"knock_{t}": getattr(self, f"knock_{t}") for t in KNOCK_TYPES}
+        return KHAConfig.from_base(text, knock=None, knock_layers=self.knock_layers, **types)
+
+    @property
     def knocked_layers(self) -> list[int]:
-        """Indices of the layers that carry knocks (only layers with softmax attention, in hybrid models)."""
+        """Indices of the text decoder's layers that carry knocks (only layers with softmax attention, in hybrid
+        models)."""
+        if self.is_multimodal:
+            return self.knock_config.knocked_layers
         if self.knock_layers is None:
             return attention_layers(self)
         return list(self.knock_layers)
@@ -329,6 +411,8 @@ class KHAConfig(PreTrainedConfig):
     @property
     def knock_dims(self) -> dict[str, int]:
         """target (q / k / v) -> the size of the per-head features its knock acts on (d_h; MLA: its no-RoPE part)."""
+        if self.is_multimodal:
+            return self.knock_config.knock_dims
         return knock_dims(self, family_spec(self.base_model_type).layout)
 
     @property

@@ -132,6 +132,8 @@ def find_attention_class(module: types.ModuleType, projections: set[str]) -> typ
         and name.endswith("Attention")
     ]
     calling = [c for c in candidates if _calls_any(c, projections)]
+    if len(calling) > 1:  # a multimodal family's module (llama4) also holds its vision tower's attention
+        calling = [c for c in calling if "Vision" not in c.__name__] or calling
     if len(calling) != 1:
         names = ", ".join(c.__name__ for c in calling) or "none"
         raise TypeError(

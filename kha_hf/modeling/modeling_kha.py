@@ -34,7 +34,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 
-from .configuration_kha import TASK_HEADS, KHAConfig, family_heads
+from .configuration_kha import TASK_HEADS, KHAConfig, family_heads, multimodal_text_type
 from .derive import derive_knocked_methods, find_attention_class
 from .families import (
     SUPPORTED_BASE_MODEL_TYPES,
@@ -356,14 +356,43 @@ class KHAModel(KHAPreTrainedModel):
         self._knock_attention()  # before weights are initialised
         super().post_init()
 
-    def _knock_attention(self) -> None:
+    def _knock_attention(self, knock_config: KHAConfig | None = None) -> None:
         """Turn each layer's family attention into the KHA subclass and add its knocks (the module keeps its own
-        projections and state: nothing is built twice)."""
+        projections and state: nothing is built twice). KNOCK_CONFIG: the knocks' config when it is not the body's
+        own (the text decoder of a multimodal model keeps the family's text config)."""
+        config = knock_config if knock_config is not None else self.config
         for layer_idx, layer in enumerate(self.layers):
             attention = getattr(layer, "self_attn", None)
             if type(attention) is self._family_attention:  # hybrid models: only the softmax-attention layers
                 attention.__class__ = self._attention_class
-                attention._add_knocks(self.config, layer_idx)
+                attention._add_knocks(config, layer_idx)
+
+
+def _knock_language_model(root: nn.Module, config: KHAConfig) -> None:
+    """Knock the text decoder inside the multimodal model ROOT: the one module of the text family's body class
+    (`Gemma3TextModel`, `Qwen2_5_VLTextModel`, `LlamaModel` in SmolVLM) becomes its KHA body with the knocks of
+    CONFIG. The vision tower, the projector and everything else stay the family's modules, untouched."""
+    knock_config = config.knock_config
+    _, kha_body, _ = family_classes(knock_config.base_model_type)
+    family_body = _family_class(kha_body)
+    bodies = [module for module in root.modules() if type(module) in (family_body, kha_body)]
+    if len(bodies) != 1:
+        raise TypeError(
+            f"{type(root).__name__} holds {len(bodies)} {family_body.__name__} modules; KHA knocks exactly one "
+            "text decoder"
+        )
+    body = bodies[0]
+    if type(body) is family_body:
+        _become(body, kha_body)
+        body._knock_attention(knock_config)
+
+
+class KHAMultimodalModel(KHAModel):
+    """Mixin for the body of a multimodal KHA model (the family's `...Model`: vision tower, projector, language
+    model): the knocks go into its language model only."""
+
+    def _knock_attention(self, knock_config: KHAConfig | None = None) -> None:
+        _knock_language_model(self, self.config)
 
 
 def _become(model: PreTrainedModel, cls: type) -> None:
@@ -396,6 +425,28 @@ class KHAForCausalLM(KHAPreTrainedModel, GenerationMixin):
         super().post_init()
 
 
+class KHAForConditionalGeneration(KHAForCausalLM):
+    """A multimodal model (the family's image-text-to-text `...ForConditionalGeneration`: Gemma 3, Qwen2.5-VL,
+    Mistral 3, SmolVLM, ...) with Knocking-Heads Attention in its text decoder; the vision tower is the family's.
+
+    Load with `AutoModelForImageTextToText` (or `AutoModelForCausalLM`, as for the stock family) and the family's
+    processor; `isinstance(model, KHAForCausalLM)` holds.
+    """
+
+    @classmethod
+    def _class_for_family(cls, model_type: str) -> type:
+        if multimodal_text_type(model_type) is None:
+            raise ValueError(f"{model_type!r} is a text-only model: load it with KHAForCausalLM")
+        return family_classes(model_type)[2]
+
+    def post_init(self) -> None:
+        body = getattr(self, self.base_model_prefix, None)
+        if self._body_class is not None and body is not None and type(body) is _family_class(self._body_class):
+            _become(body, self._body_class)
+        _knock_language_model(self, self.config)
+        KHAPreTrainedModel.post_init(self)
+
+
 class KHAHeadModel(KHAPreTrainedModel):
     """Shared by the task-head classes (`KHAForSequenceClassification`, ...): the family's own head class (its
     `score` / `qa_outputs` layer, loss and pooling) over the family's KHA body. transformers' generic heads build the
@@ -414,7 +465,7 @@ class KHAHeadModel(KHAPreTrainedModel):
         # hash), so the config's class is not the one this module imports and registered.
         from transformers import AutoModel
 
-        bodies = [_BUILT[model_type][1] for model_type in sorted(_BUILT)]
+        bodies = [_BUILT[model_type][1] for model_type in sorted(_BUILT)]  # every family has a body
         AutoModel.register(type(config), (KHAModel, *bodies), exist_ok=True)
         super().__init__(config, *args, **kwargs)
 
@@ -465,12 +516,18 @@ def family_classes(model_type: str) -> tuple[type, type, type]:
     """(attention, body, causal LM): the KHA subclasses of MODEL_TYPE's transformers classes."""
     if model_type in _BUILT:
         return _BUILT[model_type]
+    if multimodal_text_type(model_type) is not None:
+        return _multimodal_classes(model_type)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     spec = family_spec(model_type)
     body_family = _transformers_class("MODEL_MAPPING_NAMES", model_type)
-    lm_family = _transformers_class("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", model_type)
+    # a text decoder that exists only inside a multimodal model (qwen2_5_vl_text) has a body and no causal LM
+    has_lm = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    lm_family = _transformers_class("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", model_type) if has_lm else None
     projections = set(spec.layout)
     try:
-        attention_family = find_attention_class(sys.modules[lm_family.__module__], projections)
+        attention_family = find_attention_class(sys.modules[body_family.__module__], projections)
         methods, called = derive_knocked_methods(attention_family, projections)
     except TypeError as err:
         raise ValueError(
@@ -478,7 +535,6 @@ def family_classes(model_type: str) -> tuple[type, type, type]:
         ) from err
     if not called:
         raise ValueError(f"model type {model_type!r}: its attention calls none of {', '.join(sorted(projections))}")
-    module = sys.modules[__name__]
     attention = type(
         f"KHA{attention_family.__name__}",
         (KnockedAttention, attention_family),
@@ -494,20 +550,53 @@ def family_classes(model_type: str) -> tuple[type, type, type]:
             "__module__": __name__,
         },
     )
+    lm = None
+    if lm_family is not None:
+        lm = type(
+            f"KHA{lm_family.__name__}",
+            (KHAForCausalLM, lm_family),
+            {"_family": model_type, "_body_class": body, "__module__": __name__},
+        )
+    built = (attention, body, lm)
+    _finish_family_classes(model_type, built, (None, body_family, lm_family))
+    return built
+
+
+def _finish_family_classes(model_type: str, built: tuple, families: tuple) -> None:
+    """Give each KHA class its family's own attributes, make it importable by name, register it."""
+    module = sys.modules[__name__]
+    for cls, family in zip(built[1:], families[1:], strict=True):
+        for name in (*_FAMILY_ATTRIBUTES, "_no_split_modules", "forward"):  # the family's own, not the public's
+            if cls is not None and hasattr(family, name):
+                setattr(cls, name, getattr(family, name))
+    for cls in built:
+        if cls is not None:
+            setattr(module, cls.__name__, cls)  # importable by name: pickle, torch.save of whole models
+    _BUILT[model_type] = built
+    _register_family(model_type, *(cls for cls in built[1:] if cls is not None))
+
+
+def _multimodal_classes(model_type: str) -> tuple[type | None, type, type]:
+    """(None, body, image-text-to-text model): KHA subclasses of a multimodal family's own classes. Their knocks go
+    into the text decoder, whose KHA classes are found from each model's `text_config` (`_knock_language_model`)."""
+    body_family = _transformers_class("MODEL_MAPPING_NAMES", model_type)
+    lm_family = _transformers_class("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", model_type)
+    body = None
+    if body_family is not lm_family:  # Llama 4 has no body class: transformers' AutoModel gives the whole model
+        body = type(
+            f"KHA{body_family.__name__}",
+            (KHAMultimodalModel, body_family),
+            {"_family": model_type, "__module__": __name__},
+        )
     lm = type(
         f"KHA{lm_family.__name__}",
-        (KHAForCausalLM, lm_family),
+        (KHAForConditionalGeneration, lm_family),
         {"_family": model_type, "_body_class": body, "__module__": __name__},
     )
-    for cls, family in ((body, body_family), (lm, lm_family)):
-        for name in (*_FAMILY_ATTRIBUTES, "_no_split_modules", "forward"):  # the family's own, not the public's
-            if hasattr(family, name):
-                setattr(cls, name, getattr(family, name))
-    for cls in (attention, body, lm):
-        setattr(module, cls.__name__, cls)  # importable by name: pickle, torch.save of whole models
-    _BUILT[model_type] = (attention, body, lm)
-    _register_family(model_type, body, lm)
-    return attention, body, lm
+    body = body or lm
+    built = (None, body, lm)
+    _finish_family_classes(model_type, built, (None, body_family, lm_family))
+    return built
 
 
 _HEADS_BUILT: dict[tuple[str, str], type] = {}  # (model_type, public head name) -> its class, built once
@@ -538,27 +627,33 @@ def head_class(model_type: str, public: str) -> type:
             setattr(cls, name, getattr(family, name))
     setattr(sys.modules[__name__], cls.__name__, cls)  # importable by name: pickle
     _HEADS_BUILT[(model_type, public)] = cls
-    _register_classes(cls.__name__, model_type)
+    _register_classes(cls, model_type)
     return cls
 
 
-def _register_family(model_type: str, body: type, lm: type) -> None:
+def _register_family(model_type: str, *classes: type) -> None:
     # transformers converts some families' on-disk layout at load (e.g. Mixtral's per-expert w1/w2/w3 into fused
-    # expert tensors) and back at save, keyed by model_type, which for KHA is "kha". Register the family's mapping
-    # under our class names so KHA models read and write exactly the base family's checkpoint layout.
-    for cls in (body, lm):
-        _register_classes(cls.__name__, model_type)
+    # expert tensors, Gemma 3's `language_model.model.` prefix) and back at save, keyed by model_type, which for KHA
+    # is "kha". Register the family's mapping under our class names so KHA models read and write exactly the base
+    # family's checkpoint layout.
+    for cls in classes:
+        _register_classes(cls, model_type)
 
 
-def _register_classes(class_name: str, model_type: str) -> None:
+def _register_classes(cls: type, model_type: str) -> None:
     from transformers.conversion_mapping import (
         get_checkpoint_conversion_mapping,
         register_checkpoint_conversion_mapping,
     )
 
-    mapping = get_checkpoint_conversion_mapping(model_type)
+    # transformers looks a module's mapping up by class name, then by model_type: the family class's own entry
+    # first (Gemma3Model has one of its own, beside the gemma3 one of Gemma3ForConditionalGeneration)
+    family = _family_class(cls)
+    mapping = (family and get_checkpoint_conversion_mapping(family.__name__)) or get_checkpoint_conversion_mapping(
+        model_type
+    )
     if mapping:
-        register_checkpoint_conversion_mapping(class_name, mapping, overwrite=True)
+        register_checkpoint_conversion_mapping(cls.__name__, mapping, overwrite=True)
     if _AUTO_REGISTRATION:
         register_auto_classes(_AUTO_REGISTRATION[0])
 
@@ -611,12 +706,15 @@ def register_auto_classes(config_class: type) -> None:
     `AutoModelForCausalLM` builds), then each family's classes built so far (and later ones as they are built), so
     that pipelines, which look an instance's class name up in the Auto mapping, recognise `KHAQwen3ForCausalLM`."""
     import transformers
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
     _AUTO_REGISTRATION[:] = [config_class]
     built = [_BUILT[model_type] for model_type in sorted(_BUILT)]
     for auto, public, index in ((AutoModel, KHAModel, 1), (AutoModelForCausalLM, KHAForCausalLM, 2)):
-        auto.register(config_class, (public, *(classes[index] for classes in built)), exist_ok=True)
+        classes = (public, *(family[index] for family in built if family[index] is not None))
+        auto.register(config_class, classes, exist_ok=True)
+    multimodal = (family[2] for family in built if family[2] is not None and family[0] is None)
+    AutoModelForImageTextToText.register(config_class, (KHAForConditionalGeneration, *multimodal), exist_ok=True)
     for name, public in PUBLIC_HEADS.items():
         heads = [_HEADS_BUILT[key] for key in sorted(_HEADS_BUILT) if key[1] == name]
         getattr(transformers, TASK_HEADS[name][0]).register(config_class, (public, *heads), exist_ok=True)

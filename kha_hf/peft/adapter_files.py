@@ -160,7 +160,7 @@ def check_adapter_fits(base: str | Path, folder: str | Path) -> TrainedKnocks:
         raise KHAError(f"{base} is a KHA checkpoint (it has knocks already): a knock adapter goes on the stock model")
     try:
         kha_config = adapter_kha_config(config, adapter, path)
-        prefix = layer_prefix(read_checkpoint_index(path), kha_config.base_model_type)
+        prefix = layer_prefix(read_checkpoint_index(path), kha_config)
     except KHAError:
         raise
     except Exception as err:  # the family's config class rejects the adapter's layers, in its own words

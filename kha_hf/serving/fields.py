@@ -36,6 +36,9 @@ MAX_TOOLS = 64
 MAX_SEED = 2**64 - 1  # torch.manual_seed's largest
 MIN_TEMPERATURE = 0.01
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_IMAGES = 8  # image parts per request (multimodal models only)
+MAX_IMAGE_PIXELS = 4096 * 4096  # a decoded image's size: a few-KB PNG can claim gigapixels
+IMAGE_DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp|gif);base64,([A-Za-z0-9+/=\s]+)$")
 TEXT_PARTS = {"/v1/chat/completions": ("text",), "/v1/responses": ("input_text", "output_text")}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 REFUSED = {
@@ -185,16 +188,58 @@ def arguments(value, name):
     return json_object(value, name)
 
 
-def content(parts: tuple[str, ...]) -> Check:
-    """Message content: a string, or a list of text parts (this server serves text models only)."""
-    part = fields_of({"type": one_of(*parts), "text": string()}, required=("type", "text"))
+def image_url(value, name):
+    """An image given inline as a base64 data URL (png, jpeg, webp, gif) of at most MAX_IMAGE_PIXELS. The server
+    fetches nothing for a client: an http(s) URL would have it read any address it can reach."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image
+
+    url = value.get("url") if isinstance(value, dict) else None
+    if not isinstance(url, str) or set(value) - {"url", "detail"}:
+        raise bad(name, "{url: 'data:image/png;base64,...'}", value)
+    match = IMAGE_DATA_URL.match(url)
+    if match is None:
+        raise RequestError(
+            400,
+            f"{name}.url must be a base64 data URL of a png, jpeg, webp or gif image (kha "
+            "serve fetches no URL for a client)",
+            name,
+        )
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(match.group(2), validate=False))) as image:
+            width, height = image.size  # the header only: nothing is decoded yet
+    except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as err:
+        raise RequestError(400, f"{name}.url is not a readable image: {err}", name) from err
+    if width * height > MAX_IMAGE_PIXELS:
+        raise RequestError(
+            400, f"{name} is {width} x {height} pixels; kha serve takes at most {MAX_IMAGE_PIXELS:,}", name
+        )
+    return {"url": url}
+
+
+def content(parts: tuple[str, ...], images: bool = False) -> Check:
+    """Message content: a string, or a list of text parts; IMAGES: image_url parts too (a multimodal model)."""
+    text_part = fields_of({"type": one_of(*parts), "text": string()}, required=("type", "text"))
+    image_part = fields_of({"type": one_of("image_url"), "image_url": image_url}, required=("type", "image_url"))
+    kinds = "|".join((*parts, "image_url") if images else parts)
+
+    def part(value, name):
+        if images and isinstance(value, dict) and value.get("type") == "image_url":
+            return image_part(value, name)
+        if isinstance(value, dict) and value.get("type") == "image_url":
+            raise RequestError(400, f"{name}: this model takes no images (a text model)", name)
+        return text_part(value, name)
 
     def check(value, name):
         if isinstance(value, str):
             return value
         if not isinstance(value, list):
-            raise bad(name, f"a string or a list of {{type: {'|'.join(parts)}, text}} parts", value)
-        return list_of(part, MAX_MESSAGES)(value, name)
+            raise bad(name, f"a string or a list of {{type: {kinds}, ...}} parts", value)
+        checked = list_of(part, MAX_MESSAGES)(value, name)
+        return checked
 
     return check
 
@@ -220,15 +265,40 @@ TOOL_CALL = fields_of(
     },
     required=("function",),
 )
-MESSAGE = fields_of(
-    {
-        "role": one_of(*CHAT_ROLES),
-        "content": content(TEXT_PARTS["/v1/chat/completions"]),
-        "tool_calls": list_of(TOOL_CALL, MAX_TOOLS),
-        "tool_call_id": string(256),
-    },
-    required=("role",),
-)
+
+
+def chat_message(images: bool) -> Check:
+    return fields_of(
+        {
+            "role": one_of(*CHAT_ROLES),
+            "content": content(TEXT_PARTS["/v1/chat/completions"], images),
+            "tool_calls": list_of(TOOL_CALL, MAX_TOOLS),
+            "tool_call_id": string(256),
+        },
+        required=("role",),
+    )
+
+
+def chat_messages(images: bool) -> Check:
+    """The messages of a chat request; with IMAGES, image parts too (at most MAX_IMAGES in all)."""
+    messages = list_of(chat_message(images), MAX_MESSAGES, min_items=1)
+
+    def check(value, name):
+        checked = messages(value, name)
+        count = sum(
+            1
+            for message in checked
+            if isinstance(message.get("content"), list)
+            for part in message["content"]
+            if part.get("type") == "image_url"
+        )
+        if count > MAX_IMAGES:
+            raise RequestError(400, f"{name} holds {count} images; kha serve takes at most {MAX_IMAGES}", name)
+        return checked
+
+    return check
+
+
 RESPONSE_ITEMS = {  # /v1/responses input items, by type
     "message": fields_of(
         {
@@ -273,8 +343,9 @@ def response_input(value, name):
     return out
 
 
-def endpoint_fields(max_new_tokens: int) -> dict[str, tuple[dict[str, Check], tuple[str, ...]]]:
-    """Per endpoint: the accepted fields with their checks, and the required ones."""
+def endpoint_fields(max_new_tokens: int, images: bool = False) -> dict[str, tuple[dict[str, Check], tuple[str, ...]]]:
+    """Per endpoint: the accepted fields with their checks, and the required ones (IMAGES: chat messages may hold
+    image parts, for a multimodal model)."""
     new_tokens = integer(1, max_new_tokens, " (this server's --max-new-tokens)")
     sampling = {
         "model": string(),  # matched against the served model by the guard
@@ -291,7 +362,7 @@ def endpoint_fields(max_new_tokens: int) -> dict[str, tuple[dict[str, Check], tu
         "/v1/chat/completions": (
             {
                 **sampling,
-                "messages": list_of(MESSAGE, MAX_MESSAGES, min_items=1),
+                "messages": chat_messages(images),
                 "max_tokens": new_tokens,
                 "max_completion_tokens": new_tokens,
                 "frequency_penalty": penalty,
@@ -364,9 +435,10 @@ def _is_text(text: str) -> bool:
     return True
 
 
-def checked_fields(body: dict, path: str, max_new_tokens: int) -> dict:
-    """BODY (a parsed JSON object) with only the fields PATH accepts, each checked and normalised."""
-    spec, required = endpoint_fields(max_new_tokens)[path]
+def checked_fields(body: dict, path: str, max_new_tokens: int, images: bool = False) -> dict:
+    """BODY (a parsed JSON object) with only the fields PATH accepts, each checked and normalised (IMAGES: image
+    parts in chat messages are accepted)."""
+    spec, required = endpoint_fields(max_new_tokens, images)[path]
     out = {}
     for key, value in body.items():
         if not _is_text(key):

@@ -52,6 +52,7 @@ class ServeLimits:
     max_request_bytes: int = 1 << 20  # largest request body
     read_timeout: float = 30.0  # seconds a client has to send a request's headers and body
     max_connections: int = 64  # open client connections; more are answered 503 and closed at once
+    images: bool = False  # chat messages may carry images (set for a multimodal model with its processor)
 
 
 @dataclass
@@ -263,7 +264,7 @@ class ServeGuard:
                     "model",
                     "model_not_found",
                 )
-        body = checked_fields(body, path, self.limits.max_new_tokens)
+        body = checked_fields(body, path, self.limits.max_new_tokens, self.limits.images)
         body["model"] = self.served
         return body
 

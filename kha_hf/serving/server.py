@@ -19,6 +19,7 @@ thing of transformers 5.24:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import socket
 import time
@@ -27,7 +28,14 @@ from pathlib import Path
 from unittest import mock
 
 from ..common.errors import KHAError
-from ..common.loading import check_device, check_model_ref, check_remote_code_allowed, read_config_dict
+from ..common.loading import (
+    PROCESSOR_FILES,
+    check_device,
+    check_model_ref,
+    check_remote_code_allowed,
+    is_multimodal_checkpoint,
+    read_config_dict,
+)
 from .errors import RequestError
 from .guard import RequestRegistry, ServeGuard, ServeLimits, model_aliases
 
@@ -54,10 +62,11 @@ def cb_sizes(device: str, cb_num_blocks: int | None, cb_max_batch_tokens: int | 
 
 
 def kha_model_manager_class():
-    """transformers' ModelManager, except that KHA checkpoints load through kha_hf's registered classes."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """transformers' ModelManager, except that KHA checkpoints load through kha_hf's registered classes (a
+    multimodal one through AutoModelForImageTextToText, with its processor: chat requests may hold images)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
     from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import split_revision
+    from transformers.cli.serving.utils import Modality, split_revision
 
     def is_kha(model_id: str) -> bool:
         return Path(model_id).is_dir() and (read_config_dict(Path(model_id)) or {}).get("model_type") == "kha"
@@ -66,14 +75,26 @@ def kha_model_manager_class():
         def _load_processor(self, model_id_and_revision, gguf_file=None):
             model_id, revision = split_revision(model_id_and_revision)
             if gguf_file is None and is_kha(model_id):  # the base model's tokenizer: no code of the folder runs
+                if is_multimodal_checkpoint(Path(model_id)):  # the base model's processor, also without code
+                    return AutoProcessor.from_pretrained(model_id, revision=revision, trust_remote_code=False)
                 return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=False)
             return super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
+
+        @staticmethod
+        def get_model_modality(model, processor=None):
+            # transformers 5.24 reads the modality from the class name, which for KHA is KHA<family class>
+            config = model.config
+            if getattr(config, "model_type", None) == "kha" and config.is_multimodal:
+                if hasattr(processor, "image_processor"):
+                    return Modality.VLM  # else a tokenizer alone (no processor files): text only, as transformers
+            return ModelManager.get_model_modality(model, processor=processor)
 
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
             model_id, revision = split_revision(model_id_and_revision)
             if gguf_file is not None or not is_kha(model_id):
                 return super()._load_model(model_id_and_revision, tqdm_class, progress_callback, gguf_file)
-            return AutoModelForCausalLM.from_pretrained(
+            multimodal = is_multimodal_checkpoint(Path(model_id))
+            return (AutoModelForImageTextToText if multimodal else AutoModelForCausalLM).from_pretrained(
                 model_id,
                 revision=revision,
                 attn_implementation=self.attn_implementation,
@@ -198,6 +219,9 @@ def start_server(
     cache_sizes = {"cb_num_blocks": cb_num_blocks, "cb_max_batch_tokens": cb_max_batch_tokens}
     served = check_serve_inputs(model, device, dtype, trust_remote_code, limits, cache_sizes)
     check_listen_address(host, port)
+    folder = Path(model)
+    if folder.is_dir() and is_multimodal_checkpoint(folder) and any((folder / f).is_file() for f in PROCESSOR_FILES):
+        limits = dataclasses.replace(limits, images=True)  # chat messages may carry images for its processor
     registry = RequestRegistry()
     build_server = server_module.build_server
 

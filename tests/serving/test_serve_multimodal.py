@@ -1,0 +1,77 @@
+"""`kha serve` of a multimodal KHA model (Gemma 3, tiny, with its processor): a chat request with an image, through
+the `openai` client, gets the text that `generate` gives for the same rendered prompt and image."""
+
+import base64
+import io
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from kha_hf.conversion import convert
+from tests.helpers import free_port, randomize_knocks
+from tests.multimodal_helpers import save_gemma3_with_processor, tiny_image
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+NEW_TOKENS = 6
+
+
+def test_a_chat_request_with_an_image_gets_what_generate_gives(tmp_path):
+    from kha_hf.serving.server import start_server
+
+    save_gemma3_with_processor(tmp_path / "base")
+    convert(tmp_path / "base", tmp_path / "kha", knock="mlp_v", progress=False)
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "kha").eval()
+    randomize_knocks(model, scale=0.5)
+    model.save_pretrained(tmp_path / "kha", safe_serialization=True)
+    processor = AutoProcessor.from_pretrained(tmp_path / "kha")
+
+    buffer = io.BytesIO()
+    tiny_image().save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    request = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "the fox jumps"}],
+        }
+    ]
+    local = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": tiny_image()}, {"type": "text", "text": "the fox jumps"}],
+        }
+    ]
+    inputs = processor.apply_chat_template(
+        local, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    assert int((inputs["input_ids"] == model.config.image_token_index).sum()) == 4, "the image is not in the prompt"
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    with torch.no_grad():
+        without_image = model.generate(
+            **processor.apply_chat_template(
+                [{"role": "user", "content": [{"type": "text", "text": "the fox jumps"}]}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                return_tensors="pt",
+            ),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    assert processor.decode(without_image[0, -NEW_TOKENS:], skip_special_tokens=True) != expected
+
+    port = free_port()
+    server = start_server(str(tmp_path / "kha"), port=port, device="cpu", dtype="float32")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+        reply = client.chat.completions.create(
+            model=str(tmp_path / "kha"), messages=request, max_tokens=NEW_TOKENS, temperature=0
+        )
+        assert reply.choices[0].message.content == expected
+    finally:
+        server.kill_server()
