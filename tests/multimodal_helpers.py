@@ -191,6 +191,7 @@ def multimodal_inputs(config, batch: int = 2, seq: int = 14, seed: int = 0) -> d
 def text_decoder(model) -> torch.nn.Module:
     """The text decoder's body inside a multimodal model (the module holding the decoder `layers`)."""
     text_type = model.config.text_config.model_type
+
     def family(config) -> str | None:  # a KHA text decoder's config is a KHAConfig naming the family
         return getattr(config, "base_model_type", None) if config.model_type == "kha" else config.model_type
 

@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from ..common.loading import check_hub_repo_id, check_tokenizer_needs_no_code
+    from ..common.loading import check_hub_repo_id, check_processor_needs_no_code, check_tokenizer_needs_no_code
     from ..conversion import convert
     from ..peft.adapter_files import read_knock_adapter
 
@@ -57,6 +57,7 @@ def run(args) -> int:
         check_hub_repo_id(args.push_to_hub, "--push-to-hub")  # before converting, not after
     if Path(args.src).expanduser().is_dir():
         check_tokenizer_needs_no_code(Path(args.src).expanduser())  # a KHA folder never runs tokenizer code
+        check_processor_needs_no_code(Path(args.src).expanduser())  # ... nor processor code
 
     result = convert(
         args.src,

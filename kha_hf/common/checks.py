@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, base_config_class
+from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, base_config_class, multimodal_text_type
 from ..modeling.families import FAMILIES, family_spec, projection_features
 from .errors import KHAError
 from .loading import read_config_dict
@@ -31,6 +31,7 @@ SIZE_FIELDS = (
     "intermediate_size",
     "max_position_embeddings",
 )
+MAX_LAYERS = 4096  # the deepest open decoders have about 128
 _LAYER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
 _PROJECTION = re.compile(r"^(?:.*\.)?layers\.\d+\.self_attn\.(\w+)\.weight$")
 
@@ -39,16 +40,27 @@ def check_config_numbers(config: dict, where: str) -> None:
     """Sizes are positive integers; the dtype names a torch floating dtype (or 'auto'); no value is NaN or
     infinite; the activation, RoPE and layer types are ones the model code knows (`check_config_values`)."""
     check_config_values(config, where)
-    for name in SIZE_FIELDS:
-        value = config.get(name)
-        if name in config and value is not None and (type(value) is not int or value <= 0):
-            raise KHAError(f"{where}: {name} must be a positive integer, got {value!r}")
+    _check_sizes(config, where)
+    if isinstance(config.get("text_config"), dict):  # a multimodal model's text decoder: the same checks
+        check_config_numbers(config["text_config"], f"{where} (text_config)")
+    if isinstance(config.get("vision_config"), dict):  # its vision tower: sizes (its RoPE is its own: axial, ...)
+        _check_sizes(config["vision_config"], f"{where} (vision_config)")
     for name in ("dtype", "torch_dtype"):
         value = config.get(name)
         if isinstance(value, str) and value != "auto":
             dtype = getattr(torch, value.removeprefix("torch."), None)
             if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
                 raise KHAError(f"{where}: {name} {value!r} is not a torch floating-point dtype")
+
+
+def _check_sizes(config: dict, where: str) -> None:
+    for name in SIZE_FIELDS:
+        value = config.get(name)
+        if name in config and value is not None and (type(value) is not int or value <= 0):
+            raise KHAError(f"{where}: {name} must be a positive integer, got {value!r}")
+    layers = config.get("num_hidden_layers")
+    if type(layers) is int and layers > MAX_LAYERS:  # transformers would build them all before reading a weight
+        raise KHAError(f"{where}: num_hidden_layers {layers} is beyond any model's ({MAX_LAYERS} at most)")
 
 
 _SOFTMAX_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -187,6 +199,35 @@ def check_attention_layout(config, tensors: dict[str, TensorInfo], where: str) -
                 )
 
 
+def _module_path(name: str) -> str:
+    """NAME without the `model.` / `language_model.` components, where multimodal checkpoints of transformers'
+    older and newer layouts differ (`language_model.model.layers.0...` = `model.language_model.layers.0...`)."""
+    return ".".join(part for part in name.split(".") if part not in ("model", "language_model"))
+
+
+def check_multimodal_weights(config, tensors: dict[str, TensorInfo], where: str) -> None:
+    """A multimodal checkpoint's weights hold every parameter of the model its CONFIG (a KHA or base config object
+    of a wrapper: gemma3, mistral3, ...) builds, vision tower and projector included: a config that names another
+    wrapper than the weights were saved from (a Gemma 3 checkpoint relabelled mistral3) stops here, in one line.
+    The model is built on the meta device: no memory, no weights."""
+    from transformers import AutoModelForImageTextToText
+
+    base = config.to_base_config() if config.model_type == "kha" else config
+    try:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(base)
+    except Exception as err:  # the family's code rejects the config, in its own words
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise KHAError(f"{where}: cannot build the {base.model_type} model it describes: {reason}") from err
+    stored = {_module_path(name) for name in tensors}
+    missing = sorted(name for name, _ in model.named_parameters() if _module_path(name) not in stored)
+    if missing:
+        raise KHAError(
+            f"{where}: the weights are not those of the {base.model_type} model the config describes: "
+            f"{len(missing)} of its parameters are missing (e.g. {missing[0]})"
+        )
+
+
 def check_checkpoint_against_config(folder: Path) -> None:
     """One-line KHAError when FOLDER's config.json cannot describe its safetensors weights."""
     config = read_config_dict(folder)
@@ -202,14 +243,18 @@ def check_checkpoint_against_config(folder: Path) -> None:
     head = next((name for name in architectures_of(config, where) if name.endswith(_HEAD_SUFFIXES)), None)
     check_head_weights(config, _kha_head_name(head) if head else "KHAForCausalLM", tensors, where)
     model_type = config.get("base_model_type") if is_kha else config.get("model_type")
-    if model_type not in FAMILIES:
+    multimodal = multimodal_text_type(model_type) is not None
+    if model_type not in FAMILIES and not multimodal:
         return  # another architecture: transformers (or its remote code) checks its own
     fields = {k: v for k, v in config.items() if k != "model_type"}
     try:
         built = KHAConfig(**fields) if is_kha else base_config_class(model_type)(**fields)
     except Exception as err:  # the family's config class rejects what it cannot use, in its own words
         raise KHAError(f"{where}: {str(err).strip().splitlines()[0]}") from err
-    check_attention_layout(built, tensors, where)
+    if multimodal:
+        check_multimodal_weights(built, tensors, where)
+    else:
+        check_attention_layout(built, tensors, where)
 
 
 # The tensors of transformers' task heads (GenericForSequenceClassification / ...ForTokenClassification: `score`,

@@ -193,6 +193,28 @@ def check_tokenizer_needs_no_code(folder: Path) -> None:
         )
 
 
+def check_processor_needs_no_code(folder: Path) -> None:
+    """A KHA folder whose processor (processor_config.json / preprocessor_config.json) names code shipped in the
+    folder (auto_map with a class transformers lacks) could never load it: a KHA checkpoint's processor runs no code.
+    One-line KHAError; read from the JSON only, nothing of the folder runs."""
+    import transformers
+
+    for name in PROCESSOR_FILES:
+        try:
+            config = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            continue  # none, or unreadable: loading the processor says what is wrong
+        auto_map = config.get("auto_map") if isinstance(config, dict) else None
+        if not isinstance(auto_map, dict) or not auto_map:
+            continue
+        classes = [config.get(key) for key in ("processor_class", "image_processor_type")]
+        if not any(isinstance(c, str) and hasattr(transformers, c) for c in classes):
+            raise KHAError(
+                f"{folder}'s processor needs its own code ({folder / name}: auto_map {', '.join(map(str, auto_map))}); "
+                "a KHA checkpoint never runs processor code: use a copy whose processor names a class transformers has"
+            )
+
+
 def _remote_code_error(ref, err: Exception) -> KHAError | None:
     text = str(err)
     if "trust_remote_code" in text:

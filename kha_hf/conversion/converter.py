@@ -26,10 +26,11 @@ from ..common.checks import (
     check_attention_layout,
     check_config_numbers,
     check_head_weights,
+    check_multimodal_weights,
     check_weights_match_config,
 )
 from ..common.errors import KHAError
-from ..common.loading import PROCESSOR_FILES
+from ..common.loading import PROCESSOR_FILES, TOKENIZER_FILES
 from ..common.model_card import SourceCard, kha_card, read_source_card
 from ..common.model_code import copy_model_code
 from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
@@ -168,7 +169,7 @@ def _verify(base: Path, kha_dir: Path, dtype: str | None, what: str) -> None:
     from .verify import verify_conversion
 
     print(f"verifying: loading {what} and the KHA checkpoint, comparing logits and greedy tokens")
-    verify_conversion(base, kha_dir, dtype=dtype or "float32")
+    verify_conversion(base, kha_dir, dtype=dtype or "float32", offer_tokenizer=False)  # kha convert has no --tokenizer
 
 
 def check_base_config(base_config: dict, folder: Path) -> None:
@@ -207,6 +208,7 @@ def check_layout(config: KHAConfig, base_config: dict, tensors: dict[str, Tensor
         text_tensors = {name: info for name, info in tensors.items() if name.startswith(prefix)}
         check_weights_match_config(text.to_dict(), text_tensors, f"{where} (text_config)")
         check_attention_layout(text, text_tensors, f"{where} (text_config)")
+        check_multimodal_weights(config, tensors, where)  # the vision tower and projector the config names, too
     else:
         check_weights_match_config(base_config, tensors, where)
         check_attention_layout(config, tensors, where)
@@ -303,7 +305,8 @@ def _convert_folder(
         missing.append("processor")
         print(
             f"note: {source.name} has no image processor ({' / '.join(PROCESSOR_FILES)}): the KHA checkpoint has "
-            "the model and its tokenizer; copy those files from the base model's repository to feed it images",
+            f"the model{' and its tokenizer' if set(carried) & set(TOKENIZER_FILES) else ''}; copy those files from "
+            "the base model's repository to feed it images",
             file=sys.stderr,
         )
     title = f"{card.base_model or source.name} with Knocking-Heads Attention"

@@ -24,7 +24,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
-from ..common.checks import architectures_of, check_head_weights
+from ..common.checks import architectures_of, check_head_weights, check_multimodal_weights
 from ..common.errors import KHAError
 from ..common.loading import read_config_dict
 from ..common.model_card import kha_card, read_source_card
@@ -124,11 +124,14 @@ def fold(
         if not linear:
             raise KHAError("nothing to fold: this model has no linear knocks (only the value MLP)")
     raw, where = read_config_dict(kha_dir) or {}, str(kha_dir / "config.json")
-    kind = next((name for name in architectures_of(raw, where) if name in TASK_HEADS), "KHAForCausalLM")
-    if kind != "KHAForCausalLM" and kind not in family_heads(config.base_model_type):
+    lm = "KHAForConditionalGeneration" if config.is_multimodal else "KHAForCausalLM"
+    kind = next((name for name in architectures_of(raw, where) if name in TASK_HEADS), lm)
+    if kind != lm and kind not in family_heads(config.base_model_type):
         raise KHAError(f"{kha_dir}: {config.base_model_type} has no {kind.removeprefix('KHAFor')} head in transformers")
     tensors = read_checkpoint_index(kha_dir)
     check_head_weights(raw, kind, tensors, where)  # the head is written out as it is: it must be the one named
+    if config.is_multimodal:  # the stock config written must describe these weights (vision tower included)
+        check_multimodal_weights(config, tensors, where)
     plan, folded_knocks = checked_fold_plan(kha_dir, config, tensors, linear)
     dropped = set(folded_knocks)
 

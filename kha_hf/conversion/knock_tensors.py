@@ -49,12 +49,17 @@ def layer_prefix(tensor_names, config: KHAConfig) -> str:
             f"no `layers.N.self_attn.{{{', '.join(sorted(projections))}}}.weight` tensor: the weights do not follow "
             f"the {model_type} attention layout"
         )
-    if len(prefixes) == 1 or not config.is_multimodal:
+    if not config.is_multimodal:
         return prefixes[0]
-    # a multimodal checkpoint whose vision tower names its attention as the text decoder does (SigLIP, Pixtral)
-    text = [p for p in prefixes if "language_model." in p or "text_model." in p]
+    # A multimodal checkpoint's vision tower may name its attention as the text decoder does (SigLIP, Pixtral): only
+    # the language model's prefix is taken, even when it is the only one found (a checkpoint whose text layers are
+    # missing must not get its knocks in the vision tower).
+    # The text decoder's prefix is made of these names only (model.language_model., language_model.model.,
+    # model.text_model., Qwen2.5-VL's model.); a vision tower's names its tower (vision_tower., visual., ...).
+    text = [p for p in prefixes if set(p.rstrip(".").split(".")) <= {"model", "language_model", "text_model"}]
     if len(text) != 1:
-        raise ValueError(f"cannot tell the text decoder's layers from the vision tower's: {', '.join(prefixes)}")
+        found = ", ".join(prefixes)
+        raise ValueError(f"cannot tell which of these layer stacks is the text decoder's: {found}")
     return text[0]
 
 

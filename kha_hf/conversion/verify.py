@@ -67,6 +67,7 @@ def verify_conversion(
     echo=print,
     tokenizer: str | Path | None = None,
     trust_remote_code: bool = False,
+    offer_tokenizer: bool = True,
 ) -> VerifyReport:
     """Load both models, print max |Δlogit| and greedy tokens; raise KHAError unless they agree.
 
@@ -94,9 +95,17 @@ def verify_conversion(
     if head is not None:  # a reward model or classifier: its head's outputs, exactly
         return verify_task_head(base, kha_dir, head, device, dtype, prompts, echo, tokenizer, trust_remote_code)
     base_model, _ = load_causal_lm(
-        base, dtype, device, attn_implementation="eager", trust_remote_code=trust_remote_code, tokenizer=tokenizer
+        base,
+        dtype,
+        device,
+        attn_implementation="eager",
+        trust_remote_code=trust_remote_code,
+        tokenizer=tokenizer,
+        offer_tokenizer=offer_tokenizer,
     )
-    kha_model, tokenizer = load_causal_lm(kha_dir, dtype, device, attn_implementation="eager", tokenizer=tokenizer)
+    kha_model, tokenizer = load_causal_lm(
+        kha_dir, dtype, device, attn_implementation="eager", tokenizer=tokenizer, offer_tokenizer=offer_tokenizer
+    )
     if getattr(kha_model.config, "model_type", None) != "kha":
         raise KHAError(f"{kha_dir} is not a KHA checkpoint")
     max_diff, base_tokens, kha_tokens = compare_models(

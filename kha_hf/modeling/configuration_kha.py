@@ -14,6 +14,7 @@ This file is copied next to saved checkpoints (remote code): it may import only 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 from typing import Any, ClassVar
 
@@ -303,6 +304,10 @@ class KHAConfig(PreTrainedConfig):
         # The base family's own class validates the architecture fields (the extra keyword arguments) and fills its
         # defaults; its values become attributes here. Fields of this dataclass (dtype, knocks, ...) stay as given.
         own_fields = {f.name for f in dataclasses.fields(self)}
+        for key in family.sub_configs:  # else the family's strict dataclass answers in a multi-line report
+            value = kwargs.get(key)
+            if value is not None and not isinstance(value, (dict, PreTrainedConfig)):
+                raise ValueError(f"{key} must be an object (the sub-model's config), got {str(value)[:40]!r}")
         base = family(**{k: v for k, v in kwargs.items() if k not in _FILE_KEYS})
         base_values = {k: v for k, v in base.to_dict().items() if k not in _FILE_KEYS and k not in own_fields}
         # A multimodal model's sub-configs stay the family's config objects (its code reads config.text_config.x)
@@ -343,6 +348,9 @@ class KHAConfig(PreTrainedConfig):
             )
         knock_dims(self, spec.layout)  # every knocked size is a positive integer
         if self.knock_layers is not None:
+            odd = [i for i in self.knock_layers if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
+            if odd:  # int(True) or int("3") would pass for a layer index
+                raise ValueError(f"knock_layers must be layer indices (integers), got {odd[0]!r}")
             layers = [int(i) for i in self.knock_layers]
             bad = [i for i in layers if not 0 <= i < self.num_hidden_layers]
             if bad:
@@ -390,7 +398,9 @@ class KHAConfig(PreTrainedConfig):
             return self
         text = self.text_config
         text_type = getattr(text, "model_type", None)
-        if text_type == self.model_type or not _is_base_family(text_type):
+        # a wrapper nested in a wrapper (text_config naming gemma3, mistral3, ...) or a KHA config is no text decoder
+        nested = text_type in (self.model_type, "kha") or multimodal_text_type(text_type) is not None
+        if nested or not _is_base_family(text_type):
             raise ValueError(
                 f"the text decoder of this {self.base_model_type} model is {text_type!r}, which KHA does not support; "
                 f"KHA supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"

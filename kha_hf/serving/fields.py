@@ -220,8 +220,13 @@ def image_url(value, name):
     return {"url": url}
 
 
-def content(parts: tuple[str, ...], images: bool = False) -> Check:
-    """Message content: a string, or a list of text parts; IMAGES: image_url parts too (a multimodal model)."""
+# kha serve passes images on in chat messages only (tests/serving/test_serve_multimodal.py checks that route)
+RESPONSES_NO_IMAGES = "/v1/responses takes no images; send them to /v1/chat/completions"
+
+
+def content(parts: tuple[str, ...], images: bool = False, no_images: str = "this model takes no images (a text model)"):
+    """Message content: a string, or a list of text parts; IMAGES: image_url parts too (a multimodal model).
+    NO_IMAGES: why an image part is refused otherwise."""
     text_part = fields_of({"type": one_of(*parts), "text": string()}, required=("type", "text"))
     image_part = fields_of({"type": one_of("image_url"), "image_url": image_url}, required=("type", "image_url"))
     kinds = "|".join((*parts, "image_url") if images else parts)
@@ -230,7 +235,7 @@ def content(parts: tuple[str, ...], images: bool = False) -> Check:
         if images and isinstance(value, dict) and value.get("type") == "image_url":
             return image_part(value, name)
         if isinstance(value, dict) and value.get("type") == "image_url":
-            raise RequestError(400, f"{name}: this model takes no images (a text model)", name)
+            raise RequestError(400, f"{name}: {no_images}", name)
         return text_part(value, name)
 
     def check(value, name):
@@ -304,7 +309,7 @@ RESPONSE_ITEMS = {  # /v1/responses input items, by type
         {
             "type": one_of("message"),
             "role": one_of(*CHAT_ROLES),
-            "content": content(TEXT_PARTS["/v1/responses"]),
+            "content": content(TEXT_PARTS["/v1/responses"], no_images=RESPONSES_NO_IMAGES),
         },
         required=("role", "content"),
     ),
@@ -333,7 +338,7 @@ def response_input(value, name):
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_MESSAGES:
         raise bad(name, f"a string or a list of 1 to {MAX_MESSAGES} input items", value)
     if isinstance(value[0], dict) and "role" not in value[0]:  # transformers 5.24: a list of parts, one message
-        return content(TEXT_PARTS["/v1/responses"])(value, name)
+        return content(TEXT_PARTS["/v1/responses"], no_images=RESPONSES_NO_IMAGES)(value, name)
     out = []
     for i, item in enumerate(value):
         kind = item.get("type", "message") if isinstance(item, dict) else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import socket
 import time
 import urllib.request
@@ -32,6 +33,7 @@ from ..common.loading import (
     PROCESSOR_FILES,
     check_device,
     check_model_ref,
+    check_processor_needs_no_code,
     check_remote_code_allowed,
     is_multimodal_checkpoint,
     read_config_dict,
@@ -75,7 +77,9 @@ def kha_model_manager_class():
         def _load_processor(self, model_id_and_revision, gguf_file=None):
             model_id, revision = split_revision(model_id_and_revision)
             if gguf_file is None and is_kha(model_id):  # the base model's tokenizer: no code of the folder runs
-                if is_multimodal_checkpoint(Path(model_id)):  # the base model's processor, also without code
+                folder = Path(model_id)
+                if is_multimodal_checkpoint(folder) and any((folder / f).is_file() for f in PROCESSOR_FILES):
+                    # the base model's processor, also without code (else the tokenizer: a text-only server)
                     return AutoProcessor.from_pretrained(model_id, revision=revision, trust_remote_code=False)
                 return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=False)
             return super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
@@ -175,6 +179,8 @@ def check_serve_inputs(
     if not path.is_dir() or read_config_dict(path) is None:
         raise KHAError(f"{model} is not a model folder (it has no readable config.json)")
     check_remote_code_allowed(path, trust_remote_code)
+    if read_config_dict(path).get("model_type") == "kha":
+        check_processor_needs_no_code(path)  # its processor loads without code (KHAModelManager._load_processor)
     from ..common.checks import check_checkpoint_against_config, check_not_task_head
 
     check_not_task_head(path)  # served as a causal LM, a reward model would answer with a random lm_head
@@ -232,6 +238,12 @@ def start_server(
             return Response(err.body(), status_code=err.status, media_type="application/json")
 
         app.add_exception_handler(RequestError, request_error)
+
+        async def server_error(_request, _err: Exception):  # an unexpected failure: JSON too, the traceback is logged
+            error = {"message": "the model failed on this request (see the server log)", "type": "server_error"}
+            return Response(json.dumps({"error": error}), status_code=500, media_type="application/json")
+
+        app.add_exception_handler(Exception, server_error)
         app.add_middleware(
             ServeGuard, served=served, aliases=model_aliases(str(model), served), limits=limits, registry=registry
         )

@@ -62,7 +62,7 @@ def edit_knocks(folder: Path, edit) -> None:
         ({"vocab_size": -1}, "vocab_size must be a positive integer"),
         ({"vocab_size": 129}, "vocab_size 129, the embedding has 128 rows"),
         ({"dtype": "float128"}, "not a torch floating-point dtype"),
-        ({"num_hidden_layers": 10**9}, "says 1000000000 layers, the weights hold 3"),
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers 1000000000 is beyond any model's (4096 at most)"),
         ({"num_hidden_layers": 4}, "says 4 layers, the weights hold 3"),
         ({"num_hidden_layers": 2}, "says 2 layers, the weights hold 3"),
         ({"hidden_size": 32}, "hidden_size 32, the embedding is 64 wide"),

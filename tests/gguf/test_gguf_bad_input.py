@@ -169,7 +169,7 @@ def _edit_config(folder: Path, **changes) -> None:
     ("changes", "message"),
     [
         ({"num_hidden_layers": 4}, "the weights hold 3"),
-        ({"num_hidden_layers": 10**9}, "the weights hold 3"),  # refused from the headers, nothing built
+        ({"num_hidden_layers": 10**9}, "is beyond any model's"),  # refused from config.json, nothing built
         ({"head_dim": 32}, "output features"),
         ({"num_attention_heads": 8}, "output features"),
         ({"num_key_value_heads": 3}, "output features"),

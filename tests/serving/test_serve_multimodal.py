@@ -75,3 +75,76 @@ def test_a_chat_request_with_an_image_gets_what_generate_gives(tmp_path):
         assert reply.choices[0].message.content == expected
     finally:
         server.kill_server()
+
+
+def _post(port: int, body: dict) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _image_request(folder) -> dict:
+    buffer = io.BytesIO()
+    tiny_image().save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "the fox"}]
+    return {"model": str(folder), "messages": [{"role": "user", "content": parts}], "max_tokens": 3}
+
+
+def test_a_multimodal_model_without_processor_files_serves_text(tmp_path):
+    """A conversion of a checkpoint without its image processor (kha convert says so) still serves, as a text
+    model: text chats are answered, image parts refused in one line."""
+    from kha_hf.common.loading import PROCESSOR_FILES
+    from kha_hf.serving.server import start_server
+
+    save_gemma3_with_processor(tmp_path / "base")
+    for name in PROCESSOR_FILES:
+        (tmp_path / "base" / name).unlink(missing_ok=True)
+    # the tokenizer's own template, for string contents (the tiny processor's renders parts only)
+    (tmp_path / "base" / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    convert(tmp_path / "base", tmp_path / "kha", knock="mlp_v", progress=False)
+    port = free_port()
+    server = start_server(str(tmp_path / "kha"), port=port, device="cpu", dtype="float32")
+    try:
+        text = {"model": str(tmp_path / "kha"), "messages": [{"role": "user", "content": "the fox"}], "max_tokens": 3}
+        status, reply = _post(port, text)
+        assert status == 200 and reply["choices"][0]["message"]["content"] is not None, reply
+        status, reply = _post(port, _image_request(tmp_path / "kha"))
+        assert status == 400 and "this model takes no images" in reply["error"]["message"], reply
+    finally:
+        server.kill_server()
+
+
+def test_a_failure_inside_the_model_is_a_json_500_and_the_server_goes_on(tmp_path):
+    """A processor that expands an image to 5 tokens for a model that makes 4 features of it: the model raises;
+    the client gets OpenAI's error format, and the next request is answered."""
+    import json
+
+    from kha_hf.serving.server import start_server
+
+    save_gemma3_with_processor(tmp_path / "base")
+    convert(tmp_path / "base", tmp_path / "kha", knock="mlp_v", progress=False)
+    path = tmp_path / "kha" / "processor_config.json"
+    config = json.loads(path.read_text())
+    config["image_seq_length"] = 5
+    path.write_text(json.dumps(config))
+    port = free_port()
+    server = start_server(str(tmp_path / "kha"), port=port, device="cpu", dtype="float32")
+    try:
+        status, reply = _post(port, _image_request(tmp_path / "kha"))
+        assert status == 500 and reply["error"]["type"] == "server_error", reply
+        text = {"model": str(tmp_path / "kha"), "messages": [{"role": "user", "content": "the fox"}], "max_tokens": 3}
+        assert _post(port, text)[0] == 200
+    finally:
+        server.kill_server()
