@@ -32,6 +32,7 @@ SIZE_FIELDS = (
     "max_position_embeddings",
 )
 MAX_LAYERS = 4096  # the deepest open decoders have about 128
+LAYER_COUNT_FIELDS = ("num_hidden_layers", "depth", "num_layers")  # depth: Qwen-VL's vision towers
 _LAYER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
 _PROJECTION = re.compile(r"^(?:.*\.)?layers\.\d+\.self_attn\.(\w+)\.weight$")
 
@@ -58,9 +59,10 @@ def _check_sizes(config: dict, where: str) -> None:
         value = config.get(name)
         if name in config and value is not None and (type(value) is not int or value <= 0):
             raise KHAError(f"{where}: {name} must be a positive integer, got {value!r}")
-    layers = config.get("num_hidden_layers")
-    if type(layers) is int and layers > MAX_LAYERS:  # transformers would build them all before reading a weight
-        raise KHAError(f"{where}: num_hidden_layers {layers} is beyond any model's ({MAX_LAYERS} at most)")
+    for name in LAYER_COUNT_FIELDS:  # transformers would build them all before reading a weight
+        layers = config.get(name)
+        if type(layers) is int and layers > MAX_LAYERS:
+            raise KHAError(f"{where}: {name} {layers} is beyond any model's ({MAX_LAYERS} at most)")
 
 
 _SOFTMAX_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -219,13 +221,22 @@ def check_multimodal_weights(config, tensors: dict[str, TensorInfo], where: str)
     except Exception as err:  # the family's code rejects the config, in its own words
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise KHAError(f"{where}: cannot build the {base.model_type} model it describes: {reason}") from err
-    stored = {_module_path(name) for name in tensors}
-    missing = sorted(name for name, _ in model.named_parameters() if _module_path(name) not in stored)
+    stored = {_module_path(name): info for name, info in tensors.items()}
+    params = dict(model.named_parameters())
+    missing = sorted(name for name in params if _module_path(name) not in stored)
     if missing:
         raise KHAError(
             f"{where}: the weights are not those of the {base.model_type} model the config describes: "
             f"{len(missing)} of its parameters are missing (e.g. {missing[0]})"
         )
+    # the vision tower and projector, whose sizes nothing else checks (the text decoder's are: check_layout)
+    for name, param in params.items():
+        info = stored[_module_path(name)]
+        text = "language_model" in name or "text_model" in name
+        if not text and tuple(info.shape) != tuple(param.shape):
+            raise KHAError(
+                f"{where}: {name} is stored with shape {list(info.shape)}; the config gives {list(param.shape)}"
+            )
 
 
 def check_checkpoint_against_config(folder: Path) -> None:

@@ -199,20 +199,29 @@ def check_processor_needs_no_code(folder: Path) -> None:
     One-line KHAError; read from the JSON only, nothing of the folder runs."""
     import transformers
 
+    def known(name) -> bool:  # a class transformers has (not any attribute: `logging` is a module)
+        return isinstance(name, str) and isinstance(getattr(transformers, name, None), type)
+
     for name in PROCESSOR_FILES:
         try:
             config = json.loads((folder / name).read_text(encoding="utf-8"))
         except (OSError, ValueError, RecursionError):
             continue  # none, or unreadable: loading the processor says what is wrong
-        auto_map = config.get("auto_map") if isinstance(config, dict) else None
-        if not isinstance(auto_map, dict) or not auto_map:
+        if not isinstance(config, dict):
             continue
-        classes = [config.get(key) for key in ("processor_class", "image_processor_type")]
-        if not any(isinstance(c, str) and hasattr(transformers, c) for c in classes):
-            raise KHAError(
-                f"{folder}'s processor needs its own code ({folder / name}: auto_map {', '.join(map(str, auto_map))}); "
-                "a KHA checkpoint never runs processor code: use a copy whose processor names a class transformers has"
-            )
+        # the processor's own entries and those of the sub-processors it nests (image_processor, video_processor)
+        parts = [config] + [value for value in config.values() if isinstance(value, dict)]
+        for part in parts:
+            auto_map = part.get("auto_map")
+            if not auto_map:
+                continue
+            classes = [part.get(key) for key in ("processor_class", "image_processor_type", "video_processor_type")]
+            named = [c for c in classes if c is not None]
+            if not named or not all(known(c) for c in named):
+                raise KHAError(
+                    f"{folder}'s processor needs its own code ({folder / name}: auto_map); a KHA checkpoint never runs "
+                    "processor code: use a copy whose processor names classes transformers has"
+                )
 
 
 def _remote_code_error(ref, err: Exception) -> KHAError | None:

@@ -234,8 +234,8 @@ def content(parts: tuple[str, ...], images: bool = False, no_images: str = "this
     def part(value, name):
         if images and isinstance(value, dict) and value.get("type") == "image_url":
             return image_part(value, name)
-        if isinstance(value, dict) and value.get("type") == "image_url":
-            raise RequestError(400, f"{name}: {no_images}", name)
+        if not images and isinstance(value, dict) and value.get("type") in ("image_url", "input_image"):
+            raise RequestError(400, f"{name}: {no_images}", name)  # chat's image part, or the Responses API's
         return text_part(value, name)
 
     def check(value, name):

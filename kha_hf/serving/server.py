@@ -31,6 +31,7 @@ from unittest import mock
 from ..common.errors import KHAError
 from ..common.loading import (
     PROCESSOR_FILES,
+    TOKENIZER_FILES,
     check_device,
     check_model_ref,
     check_processor_needs_no_code,
@@ -185,6 +186,8 @@ def check_serve_inputs(
 
     check_not_task_head(path)  # served as a causal LM, a reward model would answer with a random lm_head
     check_checkpoint_against_config(path)
+    if read_config_dict(path).get("model_type") == "kha" and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise KHAError(f"{model} has no tokenizer files: copy the base model's tokenizer into it to serve it")
     return str(path.resolve())
 
 

@@ -164,6 +164,7 @@ def test_serve_bad_starts(tmp_path, capsys, argv, message):
     if "cuda:7" in argv and torch.cuda.device_count() > 7:
         pytest.skip("this machine has that device")
     KHAForCausalLM.from_base(tiny_base_model("llama")).save_pretrained(tmp_path / "kha")
+    save_tiny_tokenizer(tmp_path / "kha")  # else the missing tokenizer is what is refused
     argv = [a.format(kha=tmp_path / "kha") for a in argv]
     err = one_line_error(capsys, argv, "serve")
     assert message in err

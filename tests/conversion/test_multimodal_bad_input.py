@@ -90,6 +90,15 @@ def test_weights_of_another_wrapper_than_the_config_names_are_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_vision_tower_sizes_that_do_not_match_the_weights_are_refused(tmp_path):
+    tiny_multimodal_model("gemma3").save_pretrained(tmp_path / "base")
+    _edit_config(tmp_path / "base", lambda c: c["vision_config"].update(hidden_size=64))
+    _one_line_refusal(
+        lambda: convert(tmp_path / "base", tmp_path / "out", progress=False), "is stored with shape .*the config gives"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_partial_fold_of_a_multimodal_model_stays_one(tmp_path):
     """`kha fold --partial` keeps the value MLP: the result is a KHAForConditionalGeneration with the same logits."""
     base = tiny_multimodal_model("gemma3")
@@ -109,20 +118,27 @@ def test_partial_fold_of_a_multimodal_model_stays_one(tmp_path):
         assert_close(multimodal_logits(again, inputs), expected, atol=1e-4, what="partial fold")
 
 
-@pytest.mark.parametrize("sub_config", ["text_config", "vision_config"])
-def test_absurd_layer_counts_are_refused_at_once(sub_config, tmp_path):
+@pytest.mark.parametrize(
+    "family, sub_config, field",
+    [
+        ("gemma3", "text_config", "num_hidden_layers"),
+        ("gemma3", "vision_config", "num_hidden_layers"),
+        ("qwen2_5_vl", "vision_config", "depth"),  # Qwen-VL's vision towers count their blocks so
+    ],
+)
+def test_absurd_layer_counts_are_refused_at_once(family, sub_config, field, tmp_path):
     """10^9 layers: refused from config.json (a subprocess with a deadline: without the check it would build them)."""
-    tiny_multimodal_model("gemma3").save_pretrained(tmp_path / "base")
+    tiny_multimodal_model(family).save_pretrained(tmp_path / "base")
 
     def huge(config):
-        config[sub_config]["num_hidden_layers"] = 10**9
+        config[sub_config][field] = 10**9
         config[sub_config].pop("layer_types", None)
 
     _edit_config(tmp_path / "base", huge)
     command = [sys.executable, "-m", "kha_hf", "convert", str(tmp_path / "base"), str(tmp_path / "out")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr[-2000:]
-    assert f"({sub_config}): num_hidden_layers 1000000000 is beyond" in result.stderr
+    assert f"({sub_config}): {field} 1000000000 is beyond" in result.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -145,14 +161,21 @@ def test_knock_layers_must_be_integers(layers):
         KHAConfig.from_base(multimodal_config("gemma3").text_config, knock_layers=layers)
 
 
-def test_a_processor_that_needs_its_own_code_is_refused_by_convert_and_serve(tmp_path):
-    """processor_config.json naming a class only a file in the folder defines: a KHA checkpoint never runs it."""
+@pytest.mark.parametrize("where", ["top", "nested", "not_a_class"])
+def test_a_processor_that_needs_its_own_code_is_refused_by_convert_and_serve(where, tmp_path):
+    """processor_config.json naming a class only a file in the folder defines (at its top, or in the image processor
+    it nests, or a name transformers has that is no class): a KHA checkpoint never runs it."""
     save_gemma3_with_processor(tmp_path / "base")
     convert(tmp_path / "base", tmp_path / "kha", knock="linear_v", progress=False)
     for folder in (tmp_path / "base", tmp_path / "kha"):
         path = folder / "processor_config.json"
         config = json.loads(path.read_text())
-        config.update(auto_map={"AutoProcessor": "evil.EvilProcessor"}, processor_class="EvilProcessor")
+        evil = {"auto_map": {"AutoProcessor": "evil.EvilProcessor"}, "processor_class": "EvilProcessor"}
+        if where == "nested":
+            evil = {"auto_map": {"AutoImageProcessor": "evil.EvilIP"}, "image_processor_type": "EvilIP"}
+            config["image_processor"].update(evil)
+        else:
+            config.update(evil if where == "top" else dict(evil, processor_class="logging"))
         path.write_text(json.dumps(config))
         (folder / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
     assert main(["convert", str(tmp_path / "base"), str(tmp_path / "out")]) == 2
@@ -172,3 +195,15 @@ def test_verify_in_convert_does_not_advise_an_option_convert_lacks(tmp_path, cap
     assert main(["convert", str(tmp_path / "base"), str(tmp_path / "out"), "--verify"]) != 0
     err = capsys.readouterr().err
     assert "has no tokenizer files" in err and "--tokenizer" not in err, err
+
+
+def test_serving_a_kha_folder_without_a_tokenizer_is_one_line(tmp_path):
+    pytest.importorskip("fastapi")
+    from kha_hf.serving.server import ServeLimits, check_serve_inputs
+
+    tiny_multimodal_model("gemma3").save_pretrained(tmp_path / "base")  # no tokenizer files
+    convert(tmp_path / "base", tmp_path / "kha", knock="linear_v", progress=False)
+    _one_line_refusal(
+        lambda: check_serve_inputs(str(tmp_path / "kha"), "cpu", "float32", False, ServeLimits(), {}),
+        "has no tokenizer files",
+    )

@@ -40,8 +40,11 @@ def test_a_text_model_refuses_image_parts():
     assert "this model takes no images" in _refused(_chat(_data_url()), images=False).message
 
 
-def test_the_responses_endpoint_says_where_images_go():
-    body = {"model": "m", "input": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+@pytest.mark.parametrize(
+    "part", [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "input_image", "image_url": "data:..."}]
+)
+def test_the_responses_endpoint_says_where_images_go(part):
+    body = {"model": "m", "input": [{"role": "user", "content": [part]}]}
     error = _refused(body, path="/v1/responses")
     assert "/v1/responses takes no images; send them to /v1/chat/completions" in error.message
 
