@@ -286,6 +286,11 @@ def load_tokenizer(
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
+def has_processor_files(folder: Path) -> bool:
+    """True when FOLDER holds an image processor's config (a multimodal checkpoint can then take images)."""
+    return any((folder / name).is_file() for name in PROCESSOR_FILES)
+
+
 def is_multimodal_checkpoint(folder: Path) -> bool:
     """True when FOLDER's config.json is a multimodal model around a text decoder (stock or KHA): gemma3, ..."""
     from ..modeling.configuration_kha import multimodal_text_type

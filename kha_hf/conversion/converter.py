@@ -189,12 +189,11 @@ def check_base_config(base_config: dict, folder: Path) -> None:
         text_config = base_config.get("text_config")
         if not isinstance(text_config, dict):
             raise KHAError(f"{folder / 'config.json'}: a {model_type} model needs a text_config object")
-        check_config_numbers(text_config, f"{folder / 'config.json'} (text_config)")
     else:
         missing = [name for name in REQUIRED_FIELDS if name not in base_config]
         if missing:
             raise KHAError(f"{folder / 'config.json'} lacks required fields: {', '.join(missing)}")
-    check_config_numbers(base_config, str(folder / "config.json"))
+    check_config_numbers(base_config, str(folder / "config.json"))  # its text_config and vision_config too
 
 
 def check_layout(config: KHAConfig, base_config: dict, tensors: dict[str, TensorInfo], folder: Path) -> None:

@@ -51,11 +51,10 @@ def layer_prefix(tensor_names, config: KHAConfig) -> str:
         )
     if not config.is_multimodal:
         return prefixes[0]
-    # A multimodal checkpoint's vision tower may name its attention as the text decoder does (SigLIP, Pixtral): only
-    # the language model's prefix is taken, even when it is the only one found (a checkpoint whose text layers are
-    # missing must not get its knocks in the vision tower).
-    # The text decoder's prefix is made of these names only (model.language_model., language_model.model.,
-    # model.text_model., Qwen2.5-VL's model.); a vision tower's names its tower (vision_tower., visual., ...).
+    # A vision tower may name its attention as the text decoder does (SigLIP, Pixtral). The text decoder's prefix
+    # is made of these names only (model.language_model., language_model.model., model.text_model., Qwen2.5-VL's
+    # model.); a tower's names the tower (vision_tower., visual., ...). It is required even when it is the only
+    # prefix found: a checkpoint whose text layers are missing must not get its knocks in the vision tower.
     text = [p for p in prefixes if set(p.rstrip(".").split(".")) <= {"model", "language_model", "text_model"}]
     if len(text) != 1:
         found = ", ".join(prefixes)

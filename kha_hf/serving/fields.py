@@ -224,7 +224,9 @@ def image_url(value, name):
 RESPONSES_NO_IMAGES = "/v1/responses takes no images; send them to /v1/chat/completions"
 
 
-def content(parts: tuple[str, ...], images: bool = False, no_images: str = "this model takes no images (a text model)"):
+def content(
+    parts: tuple[str, ...], images: bool = False, no_images: str = "this model takes no images (a text model)"
+) -> Check:
     """Message content: a string, or a list of text parts; IMAGES: image_url parts too (a multimodal model).
     NO_IMAGES: why an image part is refused otherwise."""
     text_part = fields_of({"type": one_of(*parts), "text": string()}, required=("type", "text"))

@@ -30,12 +30,12 @@ from unittest import mock
 
 from ..common.errors import KHAError
 from ..common.loading import (
-    PROCESSOR_FILES,
     TOKENIZER_FILES,
     check_device,
     check_model_ref,
     check_processor_needs_no_code,
     check_remote_code_allowed,
+    has_processor_files,
     is_multimodal_checkpoint,
     read_config_dict,
 )
@@ -79,7 +79,7 @@ def kha_model_manager_class():
             model_id, revision = split_revision(model_id_and_revision)
             if gguf_file is None and is_kha(model_id):  # the base model's tokenizer: no code of the folder runs
                 folder = Path(model_id)
-                if is_multimodal_checkpoint(folder) and any((folder / f).is_file() for f in PROCESSOR_FILES):
+                if is_multimodal_checkpoint(folder) and has_processor_files(folder):
                     # the base model's processor, also without code (else the tokenizer: a text-only server)
                     return AutoProcessor.from_pretrained(model_id, revision=revision, trust_remote_code=False)
                 return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=False)
@@ -177,16 +177,18 @@ def check_serve_inputs(
     path = Path(model).expanduser()
     if not path.exists():
         return str(model)  # a Hub id
-    if not path.is_dir() or read_config_dict(path) is None:
+    config = read_config_dict(path) if path.is_dir() else None
+    if config is None:
         raise KHAError(f"{model} is not a model folder (it has no readable config.json)")
+    is_kha = config.get("model_type") == "kha"
     check_remote_code_allowed(path, trust_remote_code)
-    if read_config_dict(path).get("model_type") == "kha":
+    if is_kha:
         check_processor_needs_no_code(path)  # its processor loads without code (KHAModelManager._load_processor)
     from ..common.checks import check_checkpoint_against_config, check_not_task_head
 
     check_not_task_head(path)  # served as a causal LM, a reward model would answer with a random lm_head
     check_checkpoint_against_config(path)
-    if read_config_dict(path).get("model_type") == "kha" and not any((path / f).is_file() for f in TOKENIZER_FILES):
+    if is_kha and not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise KHAError(f"{model} has no tokenizer files: copy the base model's tokenizer into it to serve it")
     return str(path.resolve())
 
@@ -229,7 +231,7 @@ def start_server(
     served = check_serve_inputs(model, device, dtype, trust_remote_code, limits, cache_sizes)
     check_listen_address(host, port)
     folder = Path(model)
-    if folder.is_dir() and is_multimodal_checkpoint(folder) and any((folder / f).is_file() for f in PROCESSOR_FILES):
+    if folder.is_dir() and is_multimodal_checkpoint(folder) and has_processor_files(folder):
         limits = dataclasses.replace(limits, images=True)  # chat messages may carry images for its processor
     registry = RequestRegistry()
     build_server = server_module.build_server
