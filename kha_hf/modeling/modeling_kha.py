@@ -332,6 +332,16 @@ class KHAPreTrainedModel(PreTrainedModel):
             model.generation_config = base_model.generation_config
         return model.eval() if not base_model.training else model
 
+    def initialize_weights(self) -> None:
+        # The knocks first, and marked done: transformers initialises each sub-model's modules with that sub-model's
+        # own `_init_weights` (`smart_apply`), and a multimodal model's text decoder keeps its family class, whose
+        # init would give these nn.Linear subclasses a random normal init. Loaded knock tensors are left alone.
+        for module in self.modules():
+            if isinstance(module, KnockLinear) and not getattr(module, "_is_hf_initialized", False):
+                self._init_weights(module)
+                module._is_hf_initialized = not module.weight.is_meta
+        super().initialize_weights()
+
     def _init_weights(self, module: nn.Module) -> None:
         # Knocks first: the base families would give these nn.Linear subclasses a random normal init.
         if isinstance(module, KnockLinear):
@@ -356,22 +366,30 @@ class KHAModel(KHAPreTrainedModel):
         self._knock_attention()  # before weights are initialised
         super().post_init()
 
-    def _knock_attention(self, knock_config: KHAConfig | None = None) -> None:
+    def _knock_attention(self) -> None:
         """Turn each layer's family attention into the KHA subclass and add its knocks (the module keeps its own
-        projections and state: nothing is built twice). KNOCK_CONFIG: the knocks' config when it is not the body's
-        own (the text decoder of a multimodal model keeps the family's text config)."""
-        config = knock_config if knock_config is not None else self.config
-        for layer_idx, layer in enumerate(self.layers):
-            attention = getattr(layer, "self_attn", None)
-            if type(attention) is self._family_attention:  # hybrid models: only the softmax-attention layers
-                attention.__class__ = self._attention_class
-                attention._add_knocks(config, layer_idx)
+        projections and state: nothing is built twice)."""
+        _knock_layers(self, type(self), self.config)
+
+
+def _knock_layers(body: nn.Module, kha_body: type, config: KHAConfig) -> None:
+    """Knock the softmax-attention layers of BODY (a decoder body of KHA_BODY's family, or of KHA_BODY itself) with
+    the knocks of CONFIG: each family attention module becomes KHA_BODY's attention subclass. Hybrid models keep
+    their other layers; a layer already knocked is left as it is."""
+    for layer_idx, layer in enumerate(body.layers):
+        attention = getattr(layer, "self_attn", None)
+        if type(attention) is kha_body._family_attention:
+            attention.__class__ = kha_body._attention_class
+            attention._add_knocks(config, layer_idx)
 
 
 def _knock_language_model(root: nn.Module, config: KHAConfig) -> None:
-    """Knock the text decoder inside the multimodal model ROOT: the one module of the text family's body class
-    (`Gemma3TextModel`, `Qwen2_5_VLTextModel`, `LlamaModel` in SmolVLM) becomes its KHA body with the knocks of
-    CONFIG. The vision tower, the projector and everything else stay the family's modules, untouched."""
+    """Knock the text decoder inside the multimodal model ROOT: the attention modules of the one module of the text
+    family's body class (`Gemma3TextModel`, `Qwen2_5_VLTextModel`, `LlamaModel` in SmolVLM) become KHA attention
+    with the knocks of CONFIG. The text body keeps its own class: vLLM's Transformers backend decorates the
+    decoder class it finds on a model of the same config (`type(model.get_decoder())`, vLLM 0.32) and expects each
+    decoder it then builds to have run that class's `__init__`, which a class swapped in afterwards has not. The
+    vision tower, the projector and everything else stay the family's modules, untouched."""
     knock_config = config.knock_config
     _, kha_body, _ = family_classes(knock_config.base_model_type)
     family_body = _family_class(kha_body)
@@ -381,17 +399,14 @@ def _knock_language_model(root: nn.Module, config: KHAConfig) -> None:
             f"{type(root).__name__} holds {len(bodies)} {family_body.__name__} modules; KHA knocks exactly one "
             "text decoder"
         )
-    body = bodies[0]
-    if type(body) is family_body:
-        _become(body, kha_body)
-        body._knock_attention(knock_config)
+    _knock_layers(bodies[0], kha_body, knock_config)
 
 
 class KHAMultimodalModel(KHAModel):
     """Mixin for the body of a multimodal KHA model (the family's `...Model`: vision tower, projector, language
     model): the knocks go into its language model only."""
 
-    def _knock_attention(self, knock_config: KHAConfig | None = None) -> None:
+    def _knock_attention(self) -> None:
         _knock_language_model(self, self.config)
 
 

@@ -67,4 +67,5 @@ def register() -> None:
     from vllm import ModelRegistry
 
     # A "module:Class" string: vLLM imports it lazily, in the process that builds the model.
-    ModelRegistry.register_model("KHAForCausalLM", f"{__name__}.models:KHAForCausalLM")
+    for architecture in ("KHAForCausalLM", "KHAForConditionalGeneration"):
+        ModelRegistry.register_model(architecture, f"{__name__}.models:{architecture}")

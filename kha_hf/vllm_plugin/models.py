@@ -26,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.logger import init_logger
-from vllm.model_executor.models.transformers import TransformersForCausalLM, TransformersMoEForCausalLM
+from vllm.model_executor.models.transformers import (
+    TransformersForCausalLM,
+    TransformersMoEForCausalLM,
+    TransformersMultiModalForCausalLM,
+    TransformersMultiModalMoEForCausalLM,
+)
 
 from ..modeling.families import family_spec, segment_rows
 from ..modeling.knocks import fold_projection
@@ -70,7 +75,8 @@ class MLPKnockCapture:
     """Keeps the MLP knocks' weights of the layers at SITES as they stream past to vLLM's own loader (which fills
     the modules vLLM built; `install` then swaps each for a `GLUKnock` on the same device and dtype)."""
 
-    def __init__(self, config, sites: dict[str, int]) -> None:
+    def __init__(self, config, sites: dict[str, int], site=value_fold.plain_site) -> None:
+        self.site = site  # a checkpoint module path -> its path in vLLM's HF body
         targets = [t for t in TARGETS if getattr(config, f"knock_{t}") == "mlp"]
         self.names = {
             f"{site}.{t}_knock.{part}.weight": (site, t, part)
@@ -82,7 +88,8 @@ class MLPKnockCapture:
 
     def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
-            if (key := self.names.get(name.removeprefix("model."))) is not None:
+            path, *leaf = name.rsplit(".", 3)  # `<site>.v_knock.up.weight`
+            if len(leaf) == 3 and (key := self.names.get(".".join([self.site(path), *leaf]))) is not None:
                 self.kept.setdefault(key[:2], {})[key[2]] = tensor
             yield name, tensor
 
@@ -105,9 +112,11 @@ class LinearKnockFolder:
     """Folds the linear knocks of CONFIG (a KHAConfig) into the projections of the layers at SITES (attention
     module path -> layer index) while the checkpoint's tensors stream past."""
 
-    def __init__(self, config, sites: dict[str, int]) -> None:
+    def __init__(self, config, sites: dict[str, int], site=value_fold.plain_site, parameter=lambda name: name) -> None:
         self.config = config
         self.sites = sites
+        self.site = site  # a checkpoint module path -> its path in vLLM's HF body
+        self.parameter = parameter  # a checkpoint tensor name -> the vLLM parameter it loads into (None: dropped)
         self.linear = [t for t in TARGETS if getattr(config, f"knock_{t}") == "linear"]
         self.layout = family_spec(config.base_model_type).layout
         # projection -> [(target, rows of that target's segments)] for the linear targets that touch it
@@ -119,14 +128,19 @@ class LinearKnockFolder:
         self.size = {t: rows[0][1] - rows[0][0] for targets in self.rows.values() for t, rows in targets}
         self.knocks: dict[tuple[str, str], torch.Tensor] = {}  # (site, target) -> knock weight
         self.waiting: dict[str, tuple[torch.Tensor, str, str]] = {}  # name -> (tensor, site, projection)
+        self.folded: set[tuple[str, str]] = set()  # (site, projection) of each projection tensor folded
+        # vLLM parameter -> a checkpoint name loaded into it: folded projections, and other tensors of knocked layers
+        self.into_folded: dict[str, str] = {}
+        self.into_other: dict[str, str] = {}
 
     def _locate(self, name: str) -> tuple[str | None, str, str]:
         """(site, leaf module, tensor) of a tensor NAME (`model.layers.3.self_attn.q_proj.weight` ->
         (`layers.3.self_attn`, `q_proj`, `weight`)), or (None, "", "") outside the knocked layers' attention. The
-        site must follow the body's prefix exactly (`model.` or nothing), never another tower's `...layers.3...`."""
+        site must follow the body's prefix exactly (`model.` or nothing), never another tower's `...layers.3...`;
+        a multimodal checkpoint's paths are mapped as vLLM maps them (`value_fold.mapped_site`)."""
         module_path, _, tensor = name.rpartition(".")
         site_path, _, leaf = module_path.rpartition(".")
-        site = site_path.removeprefix("model.")
+        site = self.site(site_path)
         return (site, leaf, tensor) if site in self.sites else (None, "", "")
 
     def _knock(self, name: str, tensor: torch.Tensor, part: str, target: str) -> torch.Tensor:
@@ -150,7 +164,9 @@ class LinearKnockFolder:
     def _ready(self, site: str, projection: str) -> bool:
         return all((site, target) in self.knocks for target, _ in self.rows[projection])
 
-    def _fold(self, tensor: torch.Tensor, site: str, projection: str) -> torch.Tensor:
+    def _fold(self, name: str, tensor: torch.Tensor, site: str, projection: str) -> torch.Tensor:
+        self.folded.add((site, projection))
+        self.into_folded.setdefault(self.parameter(name) or name, name)
         for target, rows in self.rows[projection]:
             tensor = fold_projection(tensor, self.knocks[(site, target)], rows)
         return tensor
@@ -161,19 +177,21 @@ class LinearKnockFolder:
             if site is None:
                 yield name, tensor
             elif leaf in KNOCK_MODULES and leaf[0] in self.linear:
+                knock = self._knock(name, tensor, part, leaf[0])
                 if (site, leaf[0]) in self.knocks:
                     raise ValueError(f"KHA checkpoint refused: {name} is stored twice")
-                self.knocks[(site, leaf[0])] = self._knock(name, tensor, part, leaf[0])
+                self.knocks[(site, leaf[0])] = knock
                 for waiting in [n for n, (_, s, p) in self.waiting.items() if s == site and self._ready(s, p)]:
                     held, _, projection = self.waiting.pop(waiting)
-                    yield waiting, self._fold(held, site, projection)
+                    yield waiting, self._fold(waiting, held, site, projection)
             elif self.rows.get(leaf):
                 self._projection(name, tensor, part)
                 if self._ready(site, leaf):
-                    yield name, self._fold(tensor, site, leaf)
+                    yield name, self._fold(name, tensor, site, leaf)
                 else:
                     self.waiting[name] = (tensor, site, leaf)
             else:
+                self.into_other.setdefault(self.parameter(name) or name, name)
                 yield name, tensor
         if self.waiting:
             name, (_, site, projection) = next(iter(self.waiting.items()))
@@ -182,6 +200,22 @@ class LinearKnockFolder:
                 f"KHA checkpoint refused: {name} has no {'/'.join(missing)} knock in the checkpoint "
                 f"(config.json says knock_{missing[0]} is linear in layer {self.sites[site]})"
             )
+        # every knocked layer's projections must have come by and been folded: a checkpoint whose names this folder
+        # cannot place (or that lacks a layer) would otherwise serve the base model's projections without a word
+        for site, layer in self.sites.items():
+            for projection in (p for p, targets in self.rows.items() if targets):
+                if (site, projection) not in self.folded:
+                    raise ValueError(
+                        f"KHA checkpoint refused: no {projection} weight of layer {layer} ({site}) reached the linear "
+                        "knocks' fold: it is missing from the checkpoint or stored under a name vLLM does not map there"
+                    )
+        # a tensor that vLLM loads into the same parameter as a folded projection (an unfolded fused `qkv_proj` beside
+        # the separate q/k/v projections) would overwrite the fold, and the model would serve without its knocks
+        for parameter in self.into_folded.keys() & self.into_other.keys():
+            raise ValueError(
+                f"KHA checkpoint refused: {self.into_other[parameter]} loads into {parameter}, as the folded "
+                f"{self.into_folded[parameter]} does: the checkpoint holds that projection twice"
+            )
 
 
 def _lora_enabled(vllm_config) -> bool:
@@ -189,16 +223,20 @@ def _lora_enabled(vllm_config) -> bool:
 
 
 class _KHALoading:
-    """Shared by the dense and the MoE class: build without linear knocks, fold them in while loading."""
+    """Shared by the dense, MoE and multimodal classes: build without linear knocks, fold them in while loading.
+    A multimodal model's knocks are its text decoder's (`KHAConfig.knock_config`); its vision tower is vLLM's
+    Transformers backend's as for the stock model."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        config = vllm_config.model_config.hf_config
+        top = vllm_config.model_config.hf_config
+        config = top.knock_config  # the text decoder's KHA config (the same config for a text-only model)
         try:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         except Exception as err:  # one line that names the family; vLLM prints the chain above it
             raise ValueError(
-                f"kha-hf-vllm: vLLM cannot run this KHA model of the {config.base_model_type} family: {err}"
+                f"kha-hf-vllm: vLLM cannot run this KHA model of the {top.base_model_type} family: {err}"
             ) from err
+        site = value_fold.mapped_site(self.hf_to_vllm_mapper)
         sites = {
             path: int(match.group(1))
             for path, module in self.model.named_modules()
@@ -210,7 +248,7 @@ class _KHALoading:
         # fold changes (the knock acts on the projection's output, LoRA term included; the folded o_proj would
         # meet a LoRA term computed on unknocked features)
         lora = _lora_enabled(vllm_config)
-        self._kha_folder = LinearKnockFolder(config, {} if lora else sites)
+        self._kha_folder = LinearKnockFolder(config, {} if lora else sites, site, self.hf_to_vllm_mapper.map_name)
         # MLP value knocks: the down map folded into o_proj where the layer allows it (value_fold), else GLUKnock
         quantized = vllm_config.quant_config is not None
         value_sites = {
@@ -218,13 +256,14 @@ class _KHALoading:
             for p, i in sites.items()
             if not lora and value_fold.foldable(config, self.model.get_submodule(p), quantized)
         }
-        self._kha_value_folder = value_fold.ValueKnockFolder(value_sites, config.kha_head_dim)
-        self._kha_mlp_knocks = MLPKnockCapture(config, {p: i for p, i in sites.items() if p not in value_sites})
+        self._kha_value_folder = value_fold.ValueKnockFolder(value_sites, config.kha_head_dim, site)
+        others = {p: i for p, i in sites.items() if p not in value_sites}
+        self._kha_mlp_knocks = MLPKnockCapture(config, others, site)
         folded = ", ".join(self._kha_folder.linear) or "none"
         logger.info(
             "kha-hf-vllm: %s (%s base; knocks q %s, k %s, v %s; linear knocks folded into the projections: %s)",
             type(self).__name__,
-            config.base_model_type,
+            config.base_model_type if config is top else f"{top.base_model_type} with a {config.base_model_type}",
             config.knock_q,
             config.knock_k,
             config.knock_v,
@@ -243,7 +282,7 @@ class _KHALoading:
             for target in TARGETS:
                 if getattr(config, f"knock_{target}") == "linear":
                     setattr(config, f"knock_{target}", "none")
-            self.config = self.text_config = config
+            self.config, self.text_config = config, config.get_text_config()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         stream = self._kha_value_folder(self._kha_folder(checked_knocks(weights)))
@@ -272,4 +311,21 @@ class KHAForCausalLM(_KHALoading, TransformersForCausalLM):
         if cls is KHAForCausalLM and vllm_config.model_config.is_moe:
             # not an instance of cls, so Python does not run __init__ on it a second time
             return KHAMoEForCausalLM(vllm_config=vllm_config, prefix=prefix)
+        return super().__new__(cls)
+
+
+class KHAMultiModalMoEForConditionalGeneration(_KHALoading, TransformersMultiModalMoEForCausalLM):
+    """A multimodal KHA model whose text decoder is a mixture of experts (Qwen3-VL-MoE, Llama 4)."""
+
+
+class KHAForConditionalGeneration(_KHALoading, TransformersMultiModalForCausalLM):
+    """A multimodal KHA model (Gemma 3, Qwen2.5-VL, Mistral 3, SmolVLM, ... with knocks in the text decoder) on vLLM's
+    multimodal Transformers backend, with the family's processor; the class vLLM's registry knows
+    `KHAForConditionalGeneration` by. Without it vLLM would take the architecture for `KHAForCausalLM` (it rewrites
+    an unknown `...ForConditionalGeneration` to a registered `...ForCausalLM`): a text-only class, which refuses
+    images."""
+
+    def __new__(cls, *, vllm_config: VllmConfig, prefix: str = ""):
+        if cls is KHAForConditionalGeneration and vllm_config.model_config.is_moe:
+            return KHAMultiModalMoEForConditionalGeneration(vllm_config=vllm_config, prefix=prefix)
         return super().__new__(cls)

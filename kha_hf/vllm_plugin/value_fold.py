@@ -37,6 +37,29 @@ _OUTPUT_PATTERN = re.compile(
 )
 
 
+def plain_site(path: str) -> str:
+    """A text model's checkpoint module path -> its path in vLLM's HF body (`model.layers.3.self_attn` ->
+    `layers.3.self_attn`). The site must follow the body's prefix exactly (`model.` or nothing), never another
+    tower's `...layers.3...`."""
+    return path.removeprefix("model.")
+
+
+_PROBE = "kha_site_probe"  # a leaf name no mapping rule knows
+
+
+def mapped_site(mapper):
+    """A checkpoint module path -> its path in vLLM's HF body, as vLLM's weights MAPPER (`hf_to_vllm_mapper`) maps
+    the names under it: a multimodal checkpoint's `language_model.model.layers.3.self_attn` ->
+    `language_model.layers.3.self_attn` (Gemma 3's renaming, vLLM 0.32). Only the path is mapped: the mapper's
+    fused-projection rules rename leaves (`q_proj` -> `qkv_proj`), which would hide which projection a tensor is."""
+
+    def site(path: str) -> str:
+        mapped = mapper.map_name(f"{path}.{_PROBE}")
+        return plain_site(path if mapped is None else mapped.removesuffix(f".{_PROBE}"))
+
+    return site
+
+
 class GatedUpKnock(nn.Module):
     """An MLP value knock whose down map is folded into o_proj: (..., d) -> (..., d) = glu(x [U; G]ᵀ). Plain buffers,
     replicated on every tensor-parallel rank, as the knock is (it acts on each head's d features)."""
@@ -88,8 +111,9 @@ class ValueKnockFolder:
 
     PARTS = ("up", "gate", "down")
 
-    def __init__(self, sites: dict[str, int], head_dim: int) -> None:
+    def __init__(self, sites: dict[str, int], head_dim: int, site=None) -> None:
         self.sites = sites
+        self.site = site or plain_site  # a checkpoint module path -> its path in vLLM's HF body
         self.head_dim = head_dim  # d: each knock map is a float (d, d) matrix
         self.knocks: dict[str, dict[str, torch.Tensor]] = {}  # site -> part -> (d, d) weight
         self.waiting: dict[str, tuple[torch.Tensor, str]] = {}  # o_proj weight name -> (tensor, site)
@@ -102,9 +126,9 @@ class ValueKnockFolder:
         for part in self.PARTS:
             suffix = f".v_knock.{part}.weight"
             if name.endswith(suffix):
-                site = name.removesuffix(suffix).removeprefix("model.")
+                site = self.site(name.removesuffix(suffix))
                 return (site, part) if site in self.sites else (None, "")
-        site = name.removesuffix(".o_proj.weight").removeprefix("model.")
+        site = self.site(name.removesuffix(".o_proj.weight"))
         return (site, "o_proj") if name.endswith(".o_proj.weight") and site in self.sites else (None, "")
 
     def _knock(self, name: str, tensor: torch.Tensor, site: str, part: str) -> None:

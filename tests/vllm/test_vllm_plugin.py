@@ -325,19 +325,26 @@ def test_plugin_server_with_only_model_dir_answers_token_exact(plugin_server, pl
 
 
 FOLDER_PROBE = """
-import json, sys
+import json, re, sys
 import torch
 from kha_hf_vllm.modeling.configuration_kha import KHAConfig
 from kha_hf_vllm.vllm_plugin.models import LinearKnockFolder
 
 config = KHAConfig(base_model_type="llama", knock="linear_qkv", hidden_size=64, intermediate_size=96,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300)
+def fused(name):  # vLLM's mapping of the separate projections onto its fused qkv_proj parameter
+    return re.sub(r"[.][qkv]_proj[.]", ".qkv_proj.", name)
 def run(stream):
     try:
-        return [name for name, _ in LinearKnockFolder(config, {"layers.0.self_attn": 0})(stream)]
+        return [name for name, _ in LinearKnockFolder(config, {"layers.0.self_attn": 0}, parameter=fused)(stream)]
     except ValueError as err:
         return str(err)
 eye = torch.eye(16)
+layer0 = [(f"model.layers.0.self_attn.{t}_knock.weight", eye) for t in "qkv"] + [
+    ("model.layers.0.self_attn.q_proj.weight", torch.ones(64, 64)),
+    ("model.layers.0.self_attn.k_proj.weight", torch.ones(32, 64)),
+    ("model.layers.0.self_attn.v_proj.weight", torch.ones(32, 64)),
+]
 out = {
     # GPTQ-style packed ints under a projection that takes a linear knock: refused, never folded as numbers
     "quantized": run([("model.layers.0.self_attn.q_knock.weight", eye),
@@ -345,8 +352,12 @@ out = {
     "twice": run([("model.layers.0.self_attn.q_knock.weight", eye), ("model.layers.0.self_attn.q_knock.weight", eye)]),
     "bias_as_knock": run([("model.layers.0.self_attn.q_knock.bias", torch.zeros(16))]),
     # another tower's layer 0 with the same module path is not the text model's: passed through untouched
-    "other_tower": run([("model.visual.layers.0.self_attn.q_proj.weight", torch.ones(64, 64))]),
+    "other_tower": run([("model.visual.layers.0.self_attn.q_proj.weight", torch.ones(64, 64)), *layer0]),
     "missing": run([("model.layers.0.self_attn.q_proj.weight", torch.ones(64, 64))]),
+    # a knocked layer whose projections never come by (named so that nothing places them): not served unknocked
+    "never_placed": run([(n.replace("self_attn", "attn"), t) for n, t in layer0]),
+    # an unfolded fused projection beside the folded separate ones would overwrite the fold in vLLM's parameter
+    "fused_alias": run([*layer0, ("model.layers.0.self_attn.qkv_proj.weight", torch.ones(128, 64))]),
 }
 print(json.dumps(out))
 """
@@ -364,8 +375,14 @@ def test_linear_knock_folder_refuses_what_it_cannot_fold(vllm_env, vllm_plugin, 
         "model.layers.0.self_attn.q_knock.bias (torch.float32, shape (16,)) is not a linear knock"
         in out["bias_as_knock"]
     )
-    assert out["other_tower"] == ["model.visual.layers.0.self_attn.q_proj.weight"]
+    assert out["other_tower"][0] == "model.visual.layers.0.self_attn.q_proj.weight"
     assert "q_proj.weight has no q knock in the checkpoint" in out["missing"]
+    assert "no q_proj weight of layer 0 (layers.0.self_attn) reached the linear knocks' fold" in out["never_placed"]
+    assert out["fused_alias"] == (
+        "KHA checkpoint refused: model.layers.0.self_attn.qkv_proj.weight loads into "
+        "model.layers.0.self_attn.qkv_proj.weight, as the folded model.layers.0.self_attn.q_proj.weight does: the "
+        "checkpoint holds that projection twice"
+    )
 
 
 FOLD_PROBE = """

@@ -2,9 +2,10 @@
 
     python vllm_worker.py JOB.json RESULT.json
 
-JOB: {"mode": "generate" | "throughput" | "remote_code", ...}; the result is written as JSON. KHA checkpoints
-load the way any vLLM user loads them: `LLM(model=DIR, model_impl="transformers", trust_remote_code=True)` without
-the kha-hf-vllm plugin, or, with it, `LLM(model=DIR)` (a model entry with "impl": null, "trust_remote_code": false).
+JOB: {"mode": "generate" | "multimodal" | "throughput" | "remote_code", ...}; the result is written as JSON. KHA
+checkpoints load the way any vLLM user loads them: `LLM(model=DIR, model_impl="transformers",
+trust_remote_code=True)` without the kha-hf-vllm plugin, or, with it, `LLM(model=DIR)` (a model entry with "impl":
+null, "trust_remote_code": false).
 Used by tests/vllm/ and benchmarks/vllm_throughput.py.
 """
 
@@ -85,6 +86,48 @@ def generate(job: dict) -> dict:
             for o, ids in zip(outputs, tokens, strict=True)
         ]
         results[model["path"]] = {"tokens": tokens, "logprobs": chosen}
+        _release(llm)
+    return results
+
+
+def image(seed: int):
+    """The fixed 28 x 28 RGB test image of SEED (tests/multimodal_helpers.py's `tiny_image` is seed 0)."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(28, 28, 3) * 255).astype("uint8"))
+
+
+def multimodal(job: dict) -> dict:
+    """Greedy token ids per model and prompt for an image-text-to-text model: each prompt is {"text": str, "image":
+    seed or null}, its image (if any) handed to vLLM's multimodal processor, as a user does with
+    `llm.generate({"prompt": ..., "multi_modal_data": {"image": ...}})`. {"path": {"tokens": [[ids], ...]}} or
+    {"path": {"error": "..."}}."""
+    from vllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+    prompts = [
+        {"prompt": p["text"], **({} if p["image"] is None else {"multi_modal_data": {"image": image(p["image"])}})}
+        for p in job["prompts"]
+    ]
+    results = {}
+    for model in job["models"]:
+        try:
+            llm = LLM(
+                model=model["path"],
+                **({} if model.get("impl") is None else {"model_impl": model["impl"]}),
+                trust_remote_code=model.get("trust_remote_code", False),
+                dtype="float32",
+                max_model_len=job["max_model_len"],
+                enforce_eager=True,
+                seed=0,
+                limit_mm_per_prompt={"image": 1},
+            )
+        except Exception as err:  # reported to the test, which decides whether this model must load
+            results[model["path"]] = {"error": f"{type(err).__name__}: {err}"}
+            continue
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[model["path"]] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
         _release(llm)
     return results
 
@@ -181,6 +224,7 @@ def remote_code(job: dict) -> dict:
 
 if __name__ == "__main__":
     job = json.loads(open(sys.argv[1]).read())
-    result = {"generate": generate, "throughput": throughput, "remote_code": remote_code}[job["mode"]](job)
+    modes = {"generate": generate, "multimodal": multimodal, "throughput": throughput, "remote_code": remote_code}
+    result = modes[job["mode"]](job)
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
