@@ -111,9 +111,9 @@ class ValueKnockFolder:
 
     PARTS = ("up", "gate", "down")
 
-    def __init__(self, sites: dict[str, int], head_dim: int, site=None) -> None:
+    def __init__(self, sites: dict[str, int], head_dim: int, site=plain_site) -> None:
         self.sites = sites
-        self.site = site or plain_site  # a checkpoint module path -> its path in vLLM's HF body
+        self.site = site  # a checkpoint module path -> its path in vLLM's HF body
         self.head_dim = head_dim  # d: each knock map is a float (d, d) matrix
         self.knocks: dict[str, dict[str, torch.Tensor]] = {}  # site -> part -> (d, d) weight
         self.waiting: dict[str, tuple[torch.Tensor, str]] = {}  # o_proj weight name -> (tensor, site)

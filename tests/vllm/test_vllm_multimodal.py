@@ -42,8 +42,8 @@ PROMPTS = [{"text": "the fox <start_of_image> jumps", "image": 0}, {"text": "the
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """name -> folder: the stock model ("stock"), its identity conversion, perturbed MLP value and linear knocks
-    (plugin copies poisoned; "mlp_v-remote" an unpoisoned copy), and the fold of the linear ones; plus transformers'
-    greedy tokens of the text prompt for each ("expected")."""
+    (plugin copies poisoned; "mlp_v-remote" an unpoisoned copy), the fold of the linear ones and a hostile copy of
+    them ("fused-alias"); plus transformers' greedy tokens of the text prompt for each ("expected")."""
     root = tmp_path_factory.mktemp("vllm-multimodal")
     save_gemma3_with_processor(root / "stock", head_dim=32, vocab_size=300)  # vLLM's CPU kernels: head_dim >= 32
     out = {"stock": root / "stock"}

@@ -26,14 +26,17 @@ def _llm(
     trust_remote_code: bool = True,
     tensor_parallel_size: int = 1,
     lora_rank: int | None = None,
+    images: int | None = None,
 ):
     """vLLM's LLM on PATH, float32; IMPL None leaves `model_impl` at vLLM's default, as a user who passes nothing;
-    LORA_RANK enables LoRA adapters up to that rank."""
+    LORA_RANK enables LoRA adapters up to that rank; IMAGES: at most that many images per prompt."""
     from vllm import LLM
 
     lora = {} if lora_rank is None else {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1}
+    mm = {} if images is None else {"limit_mm_per_prompt": {"image": images}}
     return LLM(
         **lora,
+        **mm,
         model=path,
         **({} if impl is None else {"model_impl": impl}),
         trust_remote_code=trust_remote_code,
@@ -103,7 +106,7 @@ def multimodal(job: dict) -> dict:
     seed or null}, its image (if any) handed to vLLM's multimodal processor, as a user does with
     `llm.generate({"prompt": ..., "multi_modal_data": {"image": ...}})`. {"path": {"tokens": [[ids], ...]}} or
     {"path": {"error": "..."}}."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
     prompts = [
@@ -113,15 +116,12 @@ def multimodal(job: dict) -> dict:
     results = {}
     for model in job["models"]:
         try:
-            llm = LLM(
-                model=model["path"],
-                **({} if model.get("impl") is None else {"model_impl": model["impl"]}),
+            llm = _llm(
+                model["path"],
+                model.get("impl"),
+                job["max_model_len"],
                 trust_remote_code=model.get("trust_remote_code", False),
-                dtype="float32",
-                max_model_len=job["max_model_len"],
-                enforce_eager=True,
-                seed=0,
-                limit_mm_per_prompt={"image": 1},
+                images=1,
             )
         except Exception as err:  # reported to the test, which decides whether this model must load
             results[model["path"]] = {"error": f"{type(err).__name__}: {err}"}
