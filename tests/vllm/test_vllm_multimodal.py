@@ -166,11 +166,11 @@ def test_plugin_refuses_an_unfolded_fused_projection_beside_the_folded_ones(runs
     """Found by the attack on this route: vLLM maps both the separate q/k/v projections and a fused `qkv_proj` onto
     its one fused parameter, so the unfolded copy would overwrite the fold and the model would serve the stock
     model's tokens without a word."""
-    tokens, log, _ = runs
+    tokens, _, _ = runs
     assert "error" in tokens["fused-alias"], f"served {tokens['fused-alias']}"
     line = (
         "KHA checkpoint refused: language_model.model.layers.0.self_attn.qkv_proj.weight loads into "
         "model.language_model.layers.0.self_attn.qkv_proj.weight, as the folded "
         "language_model.model.layers.0.self_attn.k_proj.weight does: the checkpoint holds that projection twice"
     )  # k_proj: the first projection in the file's (sorted) order
-    assert line in log, log[-3000:]
+    assert line in tokens["fused-alias"]["error"], tokens["fused-alias"]["error"]  # what LLM(...) raised
