@@ -68,6 +68,19 @@ def fold_plan(
     return plan
 
 
+def fold_checked(
+    tensor: torch.Tensor, knock: torch.Tensor, rows: list[tuple[int, int]], name: str, kha_dir: Path
+) -> torch.Tensor:
+    """`fold_projection` of tensor NAME, with a one-line error where the folded values overflow its dtype."""
+    try:
+        return fold_projection(tensor, knock, rows)
+    except OverflowError as err:
+        raise KHAError(
+            f"{kha_dir}: folding the knocks into {name}: {err}; fold a float32 copy of the model instead "
+            "(KHAForCausalLM.from_pretrained(..., dtype=torch.float32).save_pretrained(...))"
+        ) from None
+
+
 def checked_fold_plan(
     kha_dir: Path, config: KHAConfig, tensors: dict, linear: list[str]
 ) -> tuple[dict[str, list[tuple[torch.Tensor, list[tuple[int, int]]]]], list[str]]:
@@ -152,7 +165,7 @@ def fold(
                     for name in kept:
                         tensor = f.get_tensor(name)
                         for knock, rows in plan.get(name, ()):
-                            tensor = fold_projection(tensor, knock, rows)
+                            tensor = fold_checked(tensor, knock, rows, name, kha_dir)
                         new[name] = tensor
                 save_file(new, tmp / file, metadata=metadata)
             weight_map.update(dict.fromkeys(kept, file))

@@ -37,7 +37,7 @@ from ..common.errors import KHAError
 from ..common.output import atomic_output_file
 from ..common.paths import check_file_destination, check_free_space, check_place, check_source_links
 from ..common.safetensors_index import read_checkpoint_index
-from .fold import checked_fold_plan, fold_projection
+from .fold import checked_fold_plan, fold_checked
 from .gguf_pretokenizers import KNOWN_PRE_TYPES
 from .knock_reader import read_kha_config
 from .knock_tensors import KNOCK_KEY
@@ -481,7 +481,7 @@ def _tensor_values(
                 continue
             values = handle.get_tensor(t.source)
             for knock, rows in plan.get(t.source, ()):
-                values = fold_projection(values, knock, rows)
+                values = fold_checked(values, knock, rows, t.source, folder)
             values = values.float()
             if family.permute_qk and t.source.endswith(("q_proj.weight", "q_proj.bias")):
                 values = _permute(values, config.num_attention_heads)

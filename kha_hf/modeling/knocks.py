@@ -87,12 +87,21 @@ def _knock_block(block: tuple, states: torch.Tensor, owner: nn.Module) -> torch.
 
 def fold_projection(weight: torch.Tensor, knock: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
     """W (out, in) or b (out,) -> `knock @ W[rows]` for each head's rows of the knock's target (each d rows), in
-    float64, cast back to W's dtype; the other rows are left as they are."""
+    float64, cast back to W's dtype; the other rows are left as they are.
+
+    Raises OverflowError where finite folded values do not fit W's dtype (a float16 projection and a knock that
+    scales it past 65504): the cast would store infinities and the model would compute NaN."""
     index = torch.cat([torch.arange(start, stop) for start, stop in rows])
     heads = weight[index].reshape(len(rows), -1, *weight.shape[1:]).double()  # (n, d, in) or (n, d)
     folded = torch.einsum("ij,nj...->ni...", knock.double(), heads)
+    cast = folded.reshape(-1, *weight.shape[1:]).to(weight.dtype)
+    if not torch.isfinite(cast).all() and torch.isfinite(folded).all():
+        raise OverflowError(
+            f"the folded values reach {folded.abs().max().item():.4g}, beyond the range of {weight.dtype} "
+            f"(largest {torch.finfo(weight.dtype).max:.4g})"
+        )
     out = weight.clone()
-    out[index] = folded.reshape(-1, *weight.shape[1:]).to(weight.dtype)
+    out[index] = cast
     return out
 
 

@@ -96,9 +96,12 @@ class KnockLayer(nn.Module, BaseTunerLayer):
                 continue
             folds = self._fold_rows(name)  # refuses MLP or non-finite knocks before any weight changes
             weight, bias = base.weight.data, None if base.bias is None else base.bias.data
-            for _, rows, knock in folds:
-                weight = fold_projection(weight, knock, rows)
-                bias = None if bias is None else fold_projection(bias, knock, rows)
+            try:
+                for _, rows, knock in folds:
+                    weight = fold_projection(weight, knock, rows)
+                    bias = None if bias is None else fold_projection(bias, knock, rows)
+            except OverflowError as err:  # before this layer's weights change
+                raise ValueError(f"adapter {name!r}: merging into {base.weight.dtype} weights: {err}") from None
             if safe_merge and not (torch.isfinite(weight).all() and (bias is None or torch.isfinite(bias).all())):
                 raise ValueError(f"adapter {name!r}: merging gives NaN or infinite weights")
             base.weight.data = weight

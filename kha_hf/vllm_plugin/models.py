@@ -168,7 +168,12 @@ class LinearKnockFolder:
         self.folded.add((site, projection))
         self.into_folded.setdefault(self.parameter(name) or name, name)
         for target, rows in self.rows[projection]:
-            tensor = fold_projection(tensor, self.knocks[(site, target)], rows)
+            try:
+                tensor = fold_projection(tensor, self.knocks[(site, target)], rows)
+            except OverflowError as err:
+                raise ValueError(
+                    f"KHA checkpoint refused: folding the knocks into {name}: {err}; serve it with dtype float32"
+                ) from None
         return tensor
 
     def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -131,3 +131,19 @@ def test_inspect_numbers_match_a_direct_computation(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "v.gate" in table and "‖T−T0‖_F" in table
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
+
+
+def test_a_fold_that_overflows_float16_is_refused_and_writes_nothing(tmp_path, capsys):
+    """Both factors fit float16 (knock 6e4 * I, projection entries 2), their product (1.2e5) does not: the cast back
+    to the checkpoint's dtype would store infinities, and the folded model would compute NaN."""
+    kha = KHAForCausalLM.from_base(tiny_base_model("llama"), knock="linear_qkv")
+    attention = kha.model.layers[0].self_attn
+    with torch.no_grad():
+        attention.q_knock.weight.copy_(6e4 * torch.eye(attention.q_knock.weight.shape[0]))
+        attention.q_proj.weight.fill_(2.0)
+    kha.to(torch.float16).save_pretrained(tmp_path / "kha")
+    assert main(["fold", str(tmp_path / "kha"), str(tmp_path / "out")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "kha fold" in line]  # not the progress bars
+    assert len(err) == 1 and err[0].startswith("kha fold: error: "), err
+    assert "model.layers.0.self_attn.q_proj.weight" in err[0] and "beyond the range of torch.float16" in err[0], err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*")), list(tmp_path.iterdir())

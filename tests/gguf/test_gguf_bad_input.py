@@ -211,3 +211,18 @@ def test_weights_the_config_does_not_describe(plain, tmp_path, capsys, edit, mes
 def test_an_unknown_tokenizer_pre_name_is_refused(kha, tmp_path, capsys):
     err = fold_error(capsys, kha, tmp_path / "m.gguf", "--tokenizer-pre", "xxxxxxxx")
     assert "not a pre-tokenizer type llama.cpp knows" in err and "smollm" in err
+
+
+def test_a_fold_that_overflows_float16_is_refused(tmp_path, capsys):
+    """The GGUF export folds by `kha fold`'s rule, in the checkpoint's dtype first: a float16 knock (6e4 * I) times a
+    float16 projection (entries 2) does not fit float16 (tests/conversion/test_fold_inspect.py for the folder)."""
+    model, _ = tiny_kha(tmp_path / "kha", "llama")
+    attention = model.model.layers[1].self_attn
+    with torch.no_grad():
+        attention.k_knock.weight.copy_(6e4 * torch.eye(attention.k_knock.weight.shape[0]))
+        attention.k_proj.weight.fill_(2.0)
+    model.to(torch.float16).save_pretrained(tmp_path / "kha")
+    error = fold_error(capsys, tmp_path / "kha", tmp_path / "m.gguf")
+    assert "folding the knocks into model.layers.1.self_attn.k_proj.weight" in error, error
+    assert "beyond the range of torch.float16" in error, error
+    assert leftovers(tmp_path) == []

@@ -176,6 +176,19 @@ def test_linear_knocks_merge_into_a_stock_model_by_the_fold_rule(llama_base):
         assert_close(merged(IDS).logits, expected, atol=1e-5, what="merged vs adapter")
 
 
+def test_a_merge_that_overflows_float16_is_refused_before_the_layer_changes(llama_base):
+    """A float16 knock (6e4 * I) and a float16 q_proj (entries 2) each fit, their fold (1.2e5) does not."""
+    peft_model = _adapter(llama_base, "linear_qkv").to(torch.float16)
+    q_proj = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        knock = q_proj.knock_sets["default"].q_knock.weight
+        knock.copy_(6e4 * torch.eye(knock.shape[0]))
+        q_proj.base_layer.weight.fill_(2.0)
+    with pytest.raises(ValueError, match=r"adapter 'default': merging into torch.float16 weights: .* beyond the range"):
+        peft_model.merge_and_unload()
+    assert torch.equal(q_proj.base_layer.weight, torch.full_like(q_proj.base_layer.weight, 2.0))
+
+
 def test_mlp_knocks_refuse_to_merge_and_convert_to_a_kha_model_instead(llama_base, tmp_path):
     peft_model = _adapter(llama_base, "mlp_v", scale=0.3)
     with torch.no_grad():

