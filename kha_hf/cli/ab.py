@@ -146,6 +146,12 @@ def add_parser(sub) -> None:
     cont.add_argument(
         "--trust-remote-code", action="store_true", help="run model code shipped inside MODEL (never by default)"
     )
+    cont.add_argument(
+        "--run-cache",
+        metavar="DIR",
+        help="keep each finished run's numbers in DIR; started again with the same DIR and settings, a stopped A/B "
+        "reuses them and continues where it stopped",
+    )
     p.set_defaults(func=run)
 
 
@@ -165,6 +171,7 @@ def run(args) -> int:
         "--limit": args.limit != EVAL_LIMIT,
         "--tokenizer": args.tokenizer is not None,
         "--trust-remote-code": args.trust_remote_code,
+        "--run-cache": args.run_cache is not None,
     }
     if args.from_model:
         if args.bf16:
@@ -220,6 +227,7 @@ def _run_continued(args) -> int:
         limit=args.limit,
         tokenizer=args.tokenizer,
         trust_remote_code=args.trust_remote_code,
+        run_cache=args.run_cache,
         **{**defaults, **given},
     )
     output = args.output if args.output != "kha-ab" else "kha-ab-continued"

@@ -53,6 +53,7 @@ from ..training.arms import train_arm
 from ..training.block_losses import block_losses
 from ..training.modes import lora_targets, matched_lora_rank
 from ..training.params import count_knock_parameters
+from .run_cache import RunCache, blocks_digest, check_cache_dir
 
 ARMS = ("base-full", "kha-full", "kha-knocks", "lora-matched", "knock-adapter", "ia3", "oft")
 DEFAULT_ARMS = ARMS[:4]
@@ -92,6 +93,7 @@ class ContinuedAB:
     limit: int = 100
     tokenizer: str | None = None
     trust_remote_code: bool = False
+    run_cache: str | None = None  # a folder keeping each finished run's numbers, reused by a restarted A/B
     extra: dict = field(default_factory=dict)  # filled while running: data sizes, parameter matching
 
     def grid(self, arm: str) -> tuple[float, ...]:
@@ -125,8 +127,9 @@ def continued_ab(settings: ContinuedAB, output: str | Path = "kha-ab-continued",
     final = check_run_destination(output, [s.model, s.tokenizer], s.data, overwrite)
     if Path(s.model).expanduser().is_dir():  # the arms train causal LMs: a reward model would get a random lm_head
         check_not_task_head(Path(s.model).expanduser())
+    cache_dir = check_cache_dir(s.run_cache, final, s.model) if s.run_cache else None
     with atomic_output_dir(final, overwrite=overwrite, marker="ab") as work:
-        summary = _run(s, work)
+        summary = _run(s, work, cache_dir)
         summary["minutes"] = (time.perf_counter() - start) / 60
         write_json(work / "summary.json", summary)
     print(f"wrote {final / 'loss_curves.csv'}, {final / 'loss_curves.png'}, {final / 'summary.json'}")
@@ -145,6 +148,7 @@ class _Prepared:
     targets: list[str]
     rank: int | None  # the LoRA control's, sized only when it runs
     knock: str
+    cache: RunCache | None = None  # --run-cache
 
 
 def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
@@ -257,7 +261,14 @@ def _build(arm: str, run_seed: int, p: _Prepared, trust_remote_code: bool) -> nn
 
 
 def _train_and_measure(s: ContinuedAB, p: _Prepared, arm: str, run_seed: int, lr: float, output: Path) -> ArmRun:
-    """One arm at one seed and rate: trained, then its per-block losses on validation, held-out and other-domain."""
+    """One arm at one seed and rate: trained, then its per-block losses on validation, held-out and other-domain
+    (or the same run's numbers from --run-cache, unless its model is evaluated afterwards)."""
+    keep_model = s.run_eval and run_seed == s.seed
+    if p.cache is not None and not keep_model:
+        stored = p.cache.get(arm, run_seed, lr, (len(p.heldout), len(p.other)))
+        if stored is not None:
+            print(f"run cache: {arm} seed {run_seed} lr {lr:g} reused from {p.cache.path(arm, run_seed, lr)}")
+            return stored
     model = _build(arm, run_seed, p, s.trust_remote_code)
     trainable = sum(x.numel() for x in model.parameters() if x.requires_grad)
     total = sum(x.numel() for x in model.parameters())  # the network this arm runs (adapter weights included)
@@ -287,11 +298,13 @@ def _train_and_measure(s: ContinuedAB, p: _Prepared, arm: str, run_seed: int, lr
     # training FLOPs, estimated: forward 2N and backward 2N per token through the whole network, plus 2 per
     # trainable parameter and token for the weight gradients (6N for full training)
     run.flops = (4 * total + 2 * trainable) * tokens
-    run.model = model if s.run_eval and run_seed == s.seed else None
+    run.model = model if keep_model else None
+    if p.cache is not None:
+        p.cache.put(run)
     return run
 
 
-def _run(s: ContinuedAB, output: Path) -> dict:
+def _run(s: ContinuedAB, output: Path, cache_dir: Path | None = None) -> dict:
     p = _prepare(s, output)
     before, placements = {}, {}
     for arm in s.arms:  # each arm as it starts (every adapter should compute what its base computes)
@@ -302,6 +315,8 @@ def _run(s: ContinuedAB, output: Path) -> dict:
         }
         placements[arm] = _adapted_modules(model)
         del model
+    if cache_dir is not None:  # keyed by each arm's losses before training: they pin its starting weights
+        p.cache = _run_cache(s, p, cache_dir, before)
     s.extra["adapted_modules"] = {arm: names for arm, names in placements.items() if names}
 
     # 1. each arm's rate, chosen on the validation split at the first seed
@@ -356,6 +371,7 @@ def _run(s: ContinuedAB, output: Path) -> dict:
         **s.extra,
         "arms": _arm_table(runs, before, s.arms),
         "comparisons": [_compare(runs, arm, control) for arm, control in _comparisons(s.arms)],
+        **({"runs_reused_from_cache": p.cache.reused} if p.cache is not None and p.cache.reused else {}),
     }
     write_curves_csv(runs, output / "loss_curves.csv")
     plot_mean_curves(runs, output / "loss_curves.png", f"continued training from {Path(str(s.model)).name}")
@@ -365,6 +381,20 @@ def _run(s: ContinuedAB, output: Path) -> dict:
             {r.arm: r.model for r in runs if r.model is not None}, p.tokenizer, s.limit, output
         )
     return summary
+
+
+def _run_cache(s: ContinuedAB, p: _Prepared, folder: Path, before: dict) -> RunCache:
+    """The --run-cache of this A/B: what decides a run's numbers besides its arm, seed and rate (run_cache.py)."""
+    common = {
+        "blocks": blocks_digest(p.train, p.validation, p.heldout, p.other),
+        "knock": s.knock,
+        "steps": [s.max_steps, s.seq_len, s.batch_size],
+    }
+    per_arm = {
+        arm: {"before": before[arm], **({"lora": [p.rank, p.targets]} if arm == "lora-matched" else {})}
+        for arm in s.arms
+    }
+    return RunCache(folder, common, per_arm, s.max_steps)
 
 
 def _mean(values) -> float:

@@ -5,6 +5,7 @@ import csv
 import json
 
 import pytest
+import torch
 
 from kha_hf.cli import main
 from kha_hf.training.data import read_documents, train_validation_heldout_split
@@ -360,3 +361,149 @@ def test_the_oft_control_stays_orthogonal_at_any_weight():
         )[0]
     eye = torch.eye(rotation.block_size)
     assert torch.allclose(block @ block.T, eye, atol=1e-4)
+
+
+def test_a_restarted_ab_reuses_the_runs_in_its_run_cache(tiny_base, tmp_path, capsys, monkeypatch):
+    """A stopped A/B started again with the same --run-cache continues where it stopped: every finished run is
+    read back (no training), the summary's numbers are the first run's; other settings train again, and a broken
+    cache file is ignored in one line, never trusted."""
+    from kha_hf.workflows import continued_ab as workflow
+
+    settings = dict(arms=("knock-adapter", "lora-matched"), seeds=2, run_cache=str(tmp_path / "cache"))
+    first = continued_ab(tiny_settings(tiny_base, **settings), output=tmp_path / "first")
+    files = sorted((tmp_path / "cache").glob("*.json"))
+    assert len(files) == 4 and not list((tmp_path / "cache").glob(".*")), files  # 2 arms x (1 tuning rate, 2 seeds)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a cached run was trained again")
+
+    monkeypatch.setattr(workflow, "train_arm", no_training)
+    capsys.readouterr()
+    again = continued_ab(tiny_settings(tiny_base, **settings), output=tmp_path / "again")
+    assert capsys.readouterr().out.count("run cache: ") == 4
+    assert again["runs_reused_from_cache"] == 4 and "runs_reused_from_cache" not in first
+    for key in ("arms", "comparisons", "tuning", "chosen_lr"):
+        assert again[key] == first[key], key
+    monkeypatch.undo()
+    (lost,) = [f for f in files if "-lora-matched-seed1-" in f.name]  # a stop before the last run: it trains now
+    lost.unlink()
+    resumed = continued_ab(tiny_settings(tiny_base, **settings), output=tmp_path / "resumed")
+    assert resumed["runs_reused_from_cache"] == 3 and lost.exists()
+    assert resumed["comparisons"] == first["comparisons"]  # the same numbers as the uninterrupted run
+
+    monkeypatch.setattr(workflow, "train_arm", no_training)
+    with pytest.raises(AssertionError, match="trained again"):  # another step count: nothing reused
+        continued_ab(tiny_settings(tiny_base, **settings, max_steps=3), output=tmp_path / "other")
+    capsys.readouterr()
+    for hostile in (
+        '{"key": "0", "arm": "x"}',  # not this run's
+        json.dumps({**json.loads(files[0].read_text()), "trainable_parameters": "2304"}),  # its key, a wrong type
+        json.dumps({**json.loads(files[0].read_text()), "curve": [[1e400, 1.0]]}),  # Infinity as a step
+        "[" * 100000,  # nested too deep for the parser
+    ):
+        files[0].write_text(hostile)
+        with pytest.raises(AssertionError, match="trained again"):  # ignored, so that run trains again
+            continued_ab(tiny_settings(tiny_base, **settings), output=tmp_path / "broken")
+        assert f"run cache: ignoring {files[0]} (" in capsys.readouterr().out
+
+
+def test_the_run_cache_follows_the_weights_not_their_path(tiny_base, tmp_path, monkeypatch):
+    """The same weights under another path are reused; other weights at that path (same file size, even the same
+    modification time) are not: a run's key holds its arm's losses before training, not file stamps."""
+    import os
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from kha_hf.workflows import continued_ab as workflow
+
+    settings = dict(arms=("knock-adapter",), run_cache=str(tmp_path / "cache"))
+    continued_ab(tiny_settings(tiny_base, **settings), output=tmp_path / "first")
+    shutil.copytree(tiny_base / "base", tmp_path / "copy")
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(workflow, "train_arm", no_training)
+
+    def from_copy():
+        settings_ = tiny_settings(tiny_base, **settings)
+        settings_.model = str(tmp_path / "copy")
+        return settings_
+
+    assert continued_ab(from_copy(), output=tmp_path / "moved")["runs_reused_from_cache"] == 1
+    weights = tmp_path / "copy" / "model.safetensors"
+    stamp = weights.stat()
+    config = tiny_configs()["llama"]
+    config.vocab_size = 300
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "other")
+    shutil.copyfile(tmp_path / "other" / "model.safetensors", weights)
+    os.utime(weights, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert weights.stat().st_size == stamp.st_size
+    with pytest.raises(AssertionError, match="trained again"):
+        continued_ab(from_copy(), output=tmp_path / "swapped")
+
+
+def test_the_run_cache_never_writes_through_a_link_and_keys_the_code(tmp_path, monkeypatch):
+    from kha_hf.training.ab_report import ArmRun
+    from kha_hf.workflows import run_cache
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched")
+    cache = run_cache.RunCache(tmp_path / "c", {"blocks": "x"}, {"knock-adapter": {"before": [1.0]}}, steps=2)
+    cache.folder.mkdir()
+    run = ArmRun(
+        "knock-adapter",
+        0,
+        [(1, 2.0)],
+        2.0,
+        2.0,
+        lr=1e-3,
+        validation_loss=2.0,
+        heldout_blocks=[2.0],
+        other_blocks=[3.0],
+        trainable_parameters=5,
+        wall_seconds=1.0,
+        flops=1.0,
+    )
+    path = cache.path("knock-adapter", 0, 1e-3)
+    path.symlink_to(victim)
+    assert cache.get("knock-adapter", 0, 1e-3, (1, 1)) is None  # a link is not read
+    cache.put(run)
+    assert victim.read_text() == "untouched" and not path.is_symlink()
+    assert cache.get("knock-adapter", 0, 1e-3, (1, 1)).heldout_blocks == [2.0]
+
+    package = tmp_path / "pkg"
+    for name in ("modeling/a.py", "serving/b.py", "workflows/continued_ab.py"):
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text("x = 1\n")
+    monkeypatch.setattr(run_cache, "PACKAGE", package)
+    digest = run_cache.code_digest()
+    (package / "serving/b.py").write_text("x = 2\n")  # not code that trains or measures
+    assert run_cache.code_digest() == digest
+    (package / "modeling/a.py").write_text("x = 2\n")
+    assert run_cache.code_digest() != digest
+
+
+def test_the_run_cache_stays_out_of_a_gguf_files_folder(tmp_path):
+    from kha_hf.common.errors import KHAError
+    from kha_hf.workflows.run_cache import check_cache_dir
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(KHAError, match="inside the model file's folder"):
+        check_cache_dir(tmp_path / "cache", tmp_path / "out", str(tmp_path / "m.gguf"))
+    with pytest.raises(KHAError, match="needs a folder"):
+        check_cache_dir("", tmp_path / "out", str(tmp_path / "m.gguf"))
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_run_cache_is_never_written_into_the_output_or_the_model(tiny_base, tmp_path, capsys):
+    from kha_hf.common.errors import KHAError
+
+    for folder in (tmp_path / "out" / "cache", tiny_base / "base" / "cache"):
+        with pytest.raises(KHAError, match="--run-cache .* is inside"):
+            continued_ab(tiny_settings(tiny_base, run_cache=str(folder)), output=tmp_path / "out")
+        assert not folder.exists()
+    assert main(["ab", "--run-cache", str(tmp_path / "c")]) == 2
+    assert "--run-cache applies only with --from MODEL" in capsys.readouterr().err
