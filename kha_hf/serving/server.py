@@ -146,6 +146,27 @@ def wait_until_ready(host: str, port: int, timeout: float) -> None:
     raise KHAError(f"the server did not answer on {url} within {timeout:.0f} s")
 
 
+# transformers' serving module is internal and changes between minor releases: 5.25.0 rewrote it (split_revision and
+# the model manager's loaders are gone), so kha serve runs on the releases its subclasses were written and tested for
+SERVING_TRANSFORMERS = ((5, 24), (5, 25))  # [lowest, first unsupported): setup.cfg's range
+
+
+def check_serving_transformers(version: str | None = None) -> None:
+    """One-line KHAError unless the installed transformers (or VERSION) is in SERVING_TRANSFORMERS."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    low, high = SERVING_TRANSFORMERS
+    release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    if not low <= release < high:
+        wanted = f"transformers>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+        raise KHAError(
+            f"kha serve needs {wanted} (its serving module changes between releases); installed: {version}: "
+            f"pip install '{wanted}'"
+        )
+
+
 def check_serve_inputs(
     model: str,
     device: str,
@@ -216,6 +237,7 @@ def start_server(
 
     if not is_serve_available():
         raise KHAError("serving needs transformers' serving extras: pip install 'kha-hf[serve]'")
+    check_serving_transformers()
     import uvicorn
     from fastapi.responses import Response
     from transformers.cli.serving import chat_completion, completion, model_manager, response

@@ -145,3 +145,27 @@ def test_continuous_batching_cache_is_bounded_on_a_cpu_and_left_to_transformers_
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "x", "--cb-num-blocks", "0"])
     assert exit_info.value.code == 2
+
+
+def test_serve_refuses_a_transformers_release_its_server_was_not_written_for(kha_dir, capsys, monkeypatch):
+    """transformers' serving module is internal and changed in 5.25.0 (split_revision gone): `kha serve` refuses, in
+    one line naming the range, a release outside the one setup.cfg declares, instead of an ImportError mid-start."""
+    import configparser
+
+    import transformers
+
+    from kha_hf.serving.server import SERVING_TRANSFORMERS, check_serving_transformers
+
+    setup = configparser.ConfigParser()
+    setup.read("setup.cfg")
+    (low, high) = SERVING_TRANSFORMERS
+    declared = f"transformers>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    assert declared in setup["options"]["install_requires"].split(), "setup.cfg and kha serve disagree on the range"
+    check_serving_transformers()  # the installed release (the suite's) is in the range
+    for version in ("5.25.0", "5.23.1", "6.0.0"):
+        with pytest.raises(Exception, match=r"kha serve needs transformers>=5\.24,<5\.25 .*installed: " + version):
+            check_serving_transformers(version)
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    assert main(["serve", str(kha_dir), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kha serve: error: kha serve needs transformers>=5.24,<5.25") and len(err.splitlines()) == 1
