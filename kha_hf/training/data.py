@@ -102,18 +102,37 @@ def _read_hub_dataset(name: str, split: str = "train", column: str = "text") -> 
     return list(dataset[column])
 
 
+def leading_bos(tokenizer) -> int | None:
+    """The BOS id when TOKENIZER begins every encoding with it (Gemma, Llama 3), else None (GPT-2, SmolLM2)."""
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a")["input_ids"] if bos is not None else []
+    return bos if ids and ids[0] == bos else None
+
+
 def pack(documents: list[str], tokenizer, seq_len: int) -> torch.Tensor:
-    """Tokenize, join documents with EOS, and cut the stream into (N, seq_len) blocks (the tail is dropped)."""
+    """Tokenize, join documents with EOS, and cut the stream into (N, seq_len) blocks (the tail is dropped).
+
+    Where the tokenizer begins every encoding with BOS, each block is BOS + seq_len - 1 tokens of the stream: such
+    a model was trained with BOS at position 0 and uses it as its attention sink, and scores a block without it far
+    worse (Gemma 3 270M on Shakespeare: loss 6.40 without, 4.58 with, 2026-12-03), so training and evaluating
+    without it would mostly measure relearning the sink."""
     eos = tokenizer.eos_token_id
+    bos = leading_bos(tokenizer)
+    body = seq_len - (bos is not None)
+    if body < 1:
+        raise KHAError(f"a block of {seq_len} token(s) leaves no room beside the tokenizer's BOS token")
     stream: list[int] = []
     for doc in documents:
         stream.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
         if eos is not None:
             stream.append(eos)
-    n = len(stream) // seq_len
+    n = len(stream) // body
     if n == 0:
         raise KHAError(f"the data holds {len(stream)} tokens, fewer than one block of {seq_len}")
-    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    blocks = torch.tensor(stream[: n * body], dtype=torch.long).view(n, body)
+    if bos is not None:
+        blocks = torch.cat([torch.full((n, 1), bos, dtype=torch.long), blocks], dim=1)
+    return blocks
 
 
 def train_validation_heldout_split(

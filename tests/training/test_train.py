@@ -269,3 +269,34 @@ def test_unreachable_hub_dataset_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(KHAError, match="cannot load dataset 'someone/no-such-corpus'"):
         read_documents(["someone/no-such-corpus"])
+
+
+def test_blocks_begin_with_bos_where_the_tokenizer_begins_every_encoding_with_it(corpus):
+    """Gemma and Llama 3 tokenizers put BOS first and their models use it as the attention sink: every packed block
+    then starts with BOS (the stream's tokens follow it, none lost or repeated); a GPT-2 style tokenizer, which adds
+    none, gets the plain stream cut into blocks."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from kha_hf.training.data import leading_bos, pack
+
+    _, plain = corpus
+    docs = ["To be, or not to be, that is the question", "Whether 'tis nobler in the mind to suffer"]
+    eos = plain.eos_token_id
+    stream = torch.tensor([t for d in docs for t in [*plain(d, add_special_tokens=False)["input_ids"], eos]])
+    assert leading_bos(plain) is None
+    assert torch.equal(pack(docs, plain, 4).flatten(), stream[: len(stream) // 4 * 4])
+
+    with_bos = copy.deepcopy(plain)
+    with_bos.add_special_tokens({"bos_token": "<bos>"})
+    bos = with_bos.bos_token_id
+    with_bos.backend_tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    assert leading_bos(with_bos) == bos
+    blocks = pack(docs, with_bos, 4)
+    assert blocks.shape == (len(stream) // 3, 4) and (blocks[:, 0] == bos).all()
+    assert torch.equal(blocks[:, 1:].flatten(), stream[: len(stream) // 3 * 3])
+    from kha_hf.common.errors import KHAError
+
+    with pytest.raises(KHAError, match="no room beside the tokenizer's BOS"):
+        pack(docs, with_bos, 1)
