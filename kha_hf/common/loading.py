@@ -323,6 +323,10 @@ def load_causal_lm(
         check_remote_code_allowed(path, trust_remote_code)
         check_not_task_head(path)
         check_checkpoint_against_config(path)  # before anything is built: one line, not a random layer
+    if gguf is not None:
+        from .gguf_header import check_gguf_header
+
+        check_gguf_header(gguf)  # the same for a GGUF file's metadata, before transformers' loader allocates
     # first: cheap, and its errors are the common ones
     tok = load_tokenizer(ref, tokenizer, trust_remote_code, gguf, offer_tokenizer=offer_tokenizer)
     kwargs = {"dtype": torch_dtype(dtype)}

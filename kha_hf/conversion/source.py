@@ -82,6 +82,9 @@ def dequantize_gguf(gguf_file: Path, out: Path) -> None:
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from ..common.gguf_header import check_gguf_header
+
+    check_gguf_header(gguf_file)  # its numbers against its tensors, before transformers allocates from them
     folder, name = gguf_file.parent, gguf_file.name
     try:
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

@@ -1,0 +1,93 @@
+"""Check a GGUF file's numbers against its own tensors before transformers builds a model from them.
+
+transformers' GGUF loader builds the model from the file's metadata (`llama.block_count`, `embedding_length`, ...)
+and only then reads the tensors: a 0.5 MB file that says `block_count = 200000` makes it allocate layer after layer
+without bound (found by the round-5 attack: RSS grew 20 MB/s to 2.95 GB with no output). `check_gguf_header` reads
+the metadata and the tensor table only (`gguf.GGUFReader` memory-maps the file; no tensor data is read) and refuses,
+in one line, a file whose numbers disagree with its tensors, as `checks.check_checkpoint_against_config` does for
+safetensors checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .errors import KHAError
+
+MAX_LAYERS = 4096  # as checks.MAX_LAYERS: the deepest open decoders have about 128
+MAX_CONTEXT = 1 << 24  # 16M positions: beyond any released model's context
+MAX_HEADS = 4096
+BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def _integer(reader, key: str) -> int | None:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    try:
+        value = field.contents()
+    except Exception:  # a malformed field: the loader's own error will name it
+        return None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _shape(reader, name: str) -> list[int] | None:
+    """A tensor's shape as GGUF stores it (ne[0] first: the input dimension of a weight matrix), or None."""
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            return [int(n) for n in tensor.shape]
+    return None
+
+
+def check_gguf_header(path: Path) -> None:
+    """KHAError (one line) when PATH's layer count, widths, vocabulary, head counts or context contradict its
+    tensors or exceed any model's; nothing is allocated from the file's numbers."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as err:  # transformers reads GGUF through the same package
+        raise KHAError("reading a GGUF file needs the gguf package: pip install 'kha-hf[gguf]'") from err
+    try:
+        reader = GGUFReader(path)
+    except Exception as err:  # a truncated or hostile file: GGUFReader raises ValueError, struct errors, ...
+        raise KHAError(f"{path.name} is not a readable GGUF file: {err}") from err
+    field = reader.fields.get("general.architecture")
+    try:
+        arch = field.contents() if field is not None else None
+    except Exception:
+        arch = None
+    if not isinstance(arch, str) or not re.fullmatch(r"[a-z0-9_]{1,64}", arch):
+        raise KHAError(f"{path.name} names no model architecture (general.architecture)")
+    where = path.name
+    blocks = {int(match.group(1)) for t in reader.tensors if (match := BLOCK.match(t.name))}
+    layers = _integer(reader, f"{arch}.block_count")
+    if layers is None or not 0 < layers <= MAX_LAYERS:
+        raise KHAError(f"{where}: {arch}.block_count {layers} is not a layer count (1 to {MAX_LAYERS})")
+    if blocks != set(range(layers)):
+        held = f"layers 0 to {max(blocks)}" if blocks else "no layers"
+        raise KHAError(f"{where}: {arch}.block_count says {layers} layers, its tensors hold {held}")
+    embedding = _shape(reader, "token_embd.weight")  # [hidden, vocab]
+    width = _integer(reader, f"{arch}.embedding_length")
+    if embedding is not None and len(embedding) == 2:
+        if width != embedding[0]:
+            raise KHAError(f"{where}: {arch}.embedding_length {width} differs from token_embd's width {embedding[0]}")
+        vocab = _integer(reader, f"{arch}.vocab_size")
+        if vocab is not None and vocab != embedding[1]:
+            raise KHAError(f"{where}: {arch}.vocab_size {vocab} differs from token_embd's {embedding[1]} rows")
+    up = _shape(reader, "blk.0.ffn_up.weight")  # [hidden, intermediate] (dense layers; MoE: ffn_up_exps)
+    feed_forward = _integer(reader, f"{arch}.feed_forward_length")
+    if up is not None and len(up) == 2 and feed_forward is not None and feed_forward != up[1]:
+        raise KHAError(f"{where}: {arch}.feed_forward_length {feed_forward} differs from its tensors' {up[1]}")
+    for key, cap in (
+        (f"{arch}.attention.head_count", MAX_HEADS),
+        (f"{arch}.attention.head_count_kv", MAX_HEADS),
+        (f"{arch}.context_length", MAX_CONTEXT),
+        (f"{arch}.expert_count", MAX_HEADS),
+    ):
+        value = _integer(reader, key)
+        if value is not None and not 0 <= value <= cap:
+            raise KHAError(f"{where}: {key} {value} is beyond any model's ({cap} at most)")
+    query = _shape(reader, "blk.0.attn_q.weight")  # [hidden, heads * head_dim]
+    heads = _integer(reader, f"{arch}.attention.head_count")
+    if query is not None and len(query) == 2 and heads and query[1] % heads:
+        raise KHAError(f"{where}: {heads} attention heads do not divide attn_q's {query[1]} outputs")
