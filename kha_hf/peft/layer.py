@@ -17,6 +17,9 @@ from torch import nn
 from ..modeling.families import TARGETS, segment_rows
 from ..modeling.knocks import apply_knock_plan, build_knock, fold_projection
 
+# A knock whose condition number is above this cannot be inverted reliably in float64 (unmerge's inverse)
+MAX_MERGE_CONDITION = 1e12
+
 
 class KnockSet(nn.Module):
     """One adapter's knocks on one projection: `q_knock` / `k_knock` / `v_knock` where the projection holds that
@@ -79,9 +82,17 @@ class KnockLayer(nn.Module, BaseTunerLayer):
                     "merged into the projection; make a KHA model of base + adapter instead "
                     "(`kha_hf.peft.to_kha_model(peft_model)`, then save_pretrained), which kha serve and vLLM serve"
                 )
-            if not torch.isfinite(knock.weight).all():
+            if not torch.isfinite(knock.weight).all():  # PEFT's own wording (its tests and users match it)
                 raise ValueError(
-                    f"adapter {name!r}: the {target} knock holds NaN or infinite values; refusing to merge"
+                    f"NaNs detected in the merged weights. The adapter {name} seems to be broken "
+                    f"(its {target} knock holds NaN or infinite values; nothing was merged)"
+                )
+            if not torch.linalg.cond(knock.weight.detach().double()) <= MAX_MERGE_CONDITION:  # inf or NaN if singular
+                # unmerge() and disable_adapter() invert the knock: a singular one would leave the stock projection
+                # unrecoverable in memory
+                raise ValueError(
+                    f"adapter {name!r}: the {target} knock is singular (not invertible), so a merge could not be "
+                    "undone; refusing to merge (nothing was changed)"
                 )
             rows = segment_rows(self.placement["config"], self.placement["blocks"], target)
             folds.append((target, rows, knock.weight.detach()))
@@ -103,7 +114,7 @@ class KnockLayer(nn.Module, BaseTunerLayer):
             except OverflowError as err:  # before this layer's weights change
                 raise ValueError(f"adapter {name!r}: merging into {base.weight.dtype} weights: {err}") from None
             if safe_merge and not (torch.isfinite(weight).all() and (bias is None or torch.isfinite(bias).all())):
-                raise ValueError(f"adapter {name!r}: merging gives NaN or infinite weights")
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
             base.weight.data = weight
             if bias is not None:
                 base.bias.data = bias

@@ -30,6 +30,14 @@ KNOCK_ADAPTER_TAGS = ["kha-hf", "knocking-heads-attention", "knock-adapter"]
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.[^.]+\.([^.]+)$")  # ...layers.<i>.<attention>.<projection>
 
 
+def saved_module_tensor(key: str, config: KnockConfig, adapter_name: str) -> bool:
+    """True when KEY (`base_model.model.lm_head.modules_to_save.<ADAPTER_NAME>.weight`, as peft has renamed it by
+    then) is a tensor of a module that CONFIG's modules_to_save names (by its full name or its last names, as peft
+    matches them)."""
+    module = key.replace(f".modules_to_save.{adapter_name}.", ".").rsplit(".", 1)[0]
+    return any(module == name or module.endswith(f".{name}") for name in config.modules_to_save or ())
+
+
 def _family(model: nn.Module) -> tuple[str, Any]:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -162,6 +170,14 @@ class KnockModel(BaseTuner):
         prefixes = _get_tuner_state_dict_key_prefixes(model, adapter_name=adapter_name)
         expected = _filter_state_dict_by_key_prefixes(model.state_dict(), prefixes)
         given = {key: tensor for key, tensor in remapped.items() if ".knock_sets." in key}
+        # Anything else must belong to a module the adapter's modules_to_save names: peft loads the rest into the
+        # base model as it stands (strict=False), so one extra `lm_head.weight` would replace the base's weights.
+        others = sorted(key for key in remapped if key not in given and not saved_module_tensor(key, config, adapter_name))
+        if others:
+            raise ValueError(
+                f"knock adapter {adapter_name!r} holds {len(others)} tensors that are neither knocks nor of a module "
+                f"its modules_to_save names: {others[:2]} (they would replace the base model's weights)"
+            )
         missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
         if missing or extra:
             raise ValueError(

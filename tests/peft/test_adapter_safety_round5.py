@@ -1,0 +1,77 @@
+"""Safety round 5 on knock adapters loaded through PEFT's own API (items 4 and 14; #48 item 5's wording).
+
+- A valid knock adapter plus one extra tensor (`base_model.model.lm_head.weight`, zeros) loaded through
+  `PeftModel.from_pretrained(stock, DIR)` replaced the base model's lm_head in silence: every logit became 0.
+- An all-zero (singular) linear knock merged in place, after which `unmerge_adapter()` / `disable_adapter()` raised
+  LinAlgError: the stock projection could not be recovered in memory.
+- NaN knocks are refused in PEFT's words ("NaNs detected in the merged weights. The adapter default seems to be
+  broken"), which PEFT's tests and users match.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import assert_close
+from tests.peft.test_knock_adapter import IDS, _adapter, _stock, llama_base  # noqa: F401 (a fixture)
+
+
+def test_a_tensor_outside_the_knocks_and_modules_to_save_is_refused(llama_base, tmp_path):  # noqa: F811
+    _adapter(llama_base, "mlp_v").save_pretrained(tmp_path / "adapter")
+    path = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(path)
+    stock = _stock(llama_base)
+    tensors["base_model.model.lm_head.weight"] = torch.zeros_like(stock.lm_head.weight)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with torch.no_grad():
+        expected = stock(IDS).logits
+    with pytest.raises(
+        ValueError,
+        match=r"neither knocks nor of a module its modules_to_save names: "
+        r"\['base_model.model.lm_head.weight'\]",
+    ):
+        PeftModel.from_pretrained(stock, tmp_path / "adapter")
+    with torch.no_grad():
+        assert_close(stock(IDS).logits, expected, what="the stock model after the refused load")
+
+
+def test_modules_to_save_still_load(llama_base, tmp_path):  # noqa: F811
+    peft_model = _adapter(llama_base, "linear_v", modules_to_save=["lm_head"])
+    with torch.no_grad():
+        next(p for n, p in peft_model.named_parameters() if "lm_head.modules_to_save" in n).mul_(1.5)
+        expected = peft_model(IDS).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        assert_close(PeftModel.from_pretrained(_stock(llama_base), tmp_path / "adapter")(IDS).logits, expected)
+
+
+def _v_knock(peft_model, layer: int = 0):
+    return peft_model.base_model.model.model.layers[layer].self_attn.v_proj.knock_sets["default"].v_knock.weight
+
+
+def test_a_singular_knock_is_not_merged_and_the_stock_model_stays_recoverable(llama_base):  # noqa: F811
+    peft_model = _adapter(llama_base, "linear_v")
+    v_proj = peft_model.base_model.model.model.layers[0].self_attn.v_proj.base_layer
+    before = v_proj.weight.detach().clone()
+    with torch.no_grad():
+        _v_knock(peft_model).zero_()
+    with pytest.raises(ValueError, match="the v knock is singular .* refusing to merge"):
+        peft_model.merge_adapter()
+    assert torch.equal(v_proj.weight, before)
+    with torch.no_grad(), peft_model.disable_adapter():  # raised LinAlgError before the fix
+        assert_close(peft_model(IDS).logits, _stock(llama_base)(IDS).logits, what="adapter disabled")
+
+
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_nan_knocks_are_refused_in_peft_s_words_with_the_weights_untouched(llama_base, safe_merge):  # noqa: F811
+    peft_model = _adapter(llama_base, "linear_qkv")
+    v_proj = peft_model.base_model.model.model.layers[1].self_attn.v_proj.base_layer
+    before = v_proj.weight.detach().clone()
+    with torch.no_grad():
+        _v_knock(peft_model, layer=1)[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaNs detected in the merged weights. The adapter default seems to be broken"):
+        peft_model.merge_and_unload(safe_merge=safe_merge)
+    assert torch.equal(v_proj.weight, before)
