@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from ..common.checks import check_not_task_head
 from ..common.errors import KHAError
+from ..common.loading import is_multimodal_checkpoint
 from ..common.paths import check_source_links
 from ..common.safetensors_index import read_header
 from ..conversion.converter import TrainedKnocks
@@ -128,13 +129,21 @@ def write_knock_adapter(
     check_source_links(kha_dir)
     read_kha_config(kha_dir)  # a KHA checkpoint, its values checked, before a model is built
     check_not_task_head(kha_dir)  # its body would not load into the causal LM whose knocks are saved
+    if is_multimodal_checkpoint(kha_dir):
+        raise KHAError(
+            f"{kha_dir} is a multimodal KHA checkpoint: knock adapters are made for stock text decoders only; "
+            "serve or fine-tune the KHA checkpoint itself"
+        )
     check_finite(read_knocks(kha_dir), kha_dir)
     try:
         model = KHAForCausalLM.from_pretrained(kha_dir)
     except (OSError, ValueError) as err:
         raise KHAError(f"cannot load the KHA model in {kha_dir}: {str(err)[:300]}") from err
     adapter = knock_adapter_from_kha(model)
-    adapter.peft_config["default"].base_model_name_or_path = base
+    # a local base is recorded by its absolute path: a relative one, read from another directory, would make
+    # AutoPeftModel load whatever model sits there (a Hub id is kept as typed)
+    local = None if base is None else Path(base).expanduser()
+    adapter.peft_config["default"].base_model_name_or_path = str(local.resolve()) if local and local.exists() else base
     count = sum(p.numel() for n, p in adapter.named_parameters() if ".knock_sets." in n)
     with atomic_output_dir(out, overwrite=overwrite, marker="adapter") as tmp:
         adapter.save_pretrained(tmp)

@@ -172,7 +172,9 @@ class KnockModel(BaseTuner):
         given = {key: tensor for key, tensor in remapped.items() if ".knock_sets." in key}
         # Anything else must belong to a module the adapter's modules_to_save names: peft loads the rest into the
         # base model as it stands (strict=False), so one extra `lm_head.weight` would replace the base's weights.
-        others = sorted(key for key in remapped if key not in given and not saved_module_tensor(key, config, adapter_name))
+        others = sorted(
+            key for key in remapped if key not in given and not saved_module_tensor(key, config, adapter_name)
+        )
         if others:
             raise ValueError(
                 f"knock adapter {adapter_name!r} holds {len(others)} tensors that are neither knocks nor of a module "
