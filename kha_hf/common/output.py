@@ -15,6 +15,7 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,13 +157,17 @@ def _lock(folder: Path, created: bool) -> int | None:
 def atomic_output_file(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a new temporary file beside PATH (same suffix); on success it is renamed to PATH, on any failure
     removed. The rename replaces a file (with `overwrite`) or a link itself, never writing through one; PATH is
-    checked first (`paths.check_file_destination`) and again at the rename."""
+    checked first (`paths.check_file_destination`) and again at the rename. The temporary file is locked while it
+    is written: one that a SIGKILLed run left (unlocked, `.kha-file-*` with PATH's suffix) is removed first."""
+    import fcntl
+
     path = check_file_destination(path, overwrite)
+    remove_stale_partial_files(path.parent, path.suffix)
     try:
-        fd, name = tempfile.mkstemp(prefix=PARTIAL_PREFIX, suffix=path.suffix, dir=path.parent)
+        fd, name = tempfile.mkstemp(prefix=PARTIAL_FILE_PREFIX, suffix=path.suffix, dir=path.parent)
     except OSError as err:
         raise KHAError(f"cannot write {path}: {err.strerror or err}") from err
-    os.close(fd)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held until this run ends, however it ends (a kill releases it too)
     tmp = Path(name)
     try:
         with _signals_raise_interrupt():
@@ -182,6 +187,45 @@ def atomic_output_file(path: str | Path, overwrite: bool = False) -> Iterator[Pa
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+    finally:
+        os.close(fd)
+
+
+# `.kha-file-<random><suffix>`: a file being written by `atomic_output_file`, locked (flock) by its writer
+PARTIAL_FILE_PREFIX = ".kha-file-"
+STALE_FILE_SECONDS = 60  # a file this old and unlocked is no run's: one just made is locked within microseconds
+
+
+def remove_stale_partial_files(folder: Path, suffix: str) -> list[Path]:
+    """Remove FOLDER's temporary files of `atomic_output_file` (with SUFFIX) that no process holds locked: left
+    by a run that was killed (SIGKILL, a crash of the machine). Returns what was removed."""
+    import fcntl
+
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not (entry.name.startswith(PARTIAL_FILE_PREFIX) and entry.name.endswith(suffix)):
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if time.time() - entry.stat(follow_symlinks=False).st_mtime < STALE_FILE_SECONDS:
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its writer runs
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _is_disk_full(err: BaseException) -> bool:

@@ -37,6 +37,7 @@ from ..common.errors import KHAError
 from ..common.output import atomic_output_file
 from ..common.paths import check_file_destination, check_free_space, check_place, check_source_links
 from ..common.safetensors_index import read_checkpoint_index
+from ..common.version import __version__
 from .fold import checked_fold_plan, fold_checked
 from .gguf_pretokenizers import KNOWN_PRE_TYPES
 from .knock_reader import read_kha_config
@@ -45,6 +46,8 @@ from .source import read_config
 
 OUTTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 GGUF_MAGIC = b"GGUF"
+# Metadata key of every GGUF file kha writes: --overwrite replaces only such files (as folders need kha's marker)
+KHA_GGUF_MARKER = "kha.written_by"
 ROW_BLOCK = 4096  # rows converted at a time: bounds the conversion's temporaries for a large embedding
 
 
@@ -170,6 +173,7 @@ def export_gguf(
         try:
             writer.add_type(gguf.GGUFType.MODEL)
             writer.add_name(kha_dir.resolve().name)
+            writer.add_string(KHA_GGUF_MARKER, f"kha-hf {__version__}")
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             writer.add_file_type(FILE_TYPES[outtype](gguf))
             meta.add_to(writer, gguf)
@@ -215,6 +219,21 @@ def check_gguf_destination(out: Path, overwrite: bool) -> None:
         with open(out, "rb") as f:
             if f.read(4) != GGUF_MAGIC:
                 raise KHAError(f"{out} exists and is not a GGUF file; --overwrite replaces GGUF files only")
+        if not written_by_kha(out):
+            raise KHAError(
+                f"{out} is a GGUF file that kha did not write (it has no {KHA_GGUF_MARKER} metadata); "
+                "--overwrite replaces only GGUF files kha wrote: choose another name or remove it yourself"
+            )
+
+
+def written_by_kha(path: Path) -> bool:
+    """True when the GGUF file PATH carries kha's marker (its metadata only is read; a broken file is not kha's)."""
+    import gguf
+
+    try:
+        return KHA_GGUF_MARKER in gguf.GGUFReader(path).fields
+    except Exception:  # a truncated or hostile file: not one kha wrote
+        return False
 
 
 FILE_TYPES = {
