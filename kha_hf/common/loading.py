@@ -222,6 +222,26 @@ def check_processor_needs_no_code(folder: Path) -> None:
                     f"{folder}'s processor needs its own code ({folder / name}: auto_map); a KHA checkpoint never runs "
                     "processor code: use a copy whose processor names classes transformers has"
                 )
+    # AutoProcessor also reads tokenizer_config.json: its auto_map's processor entries and its processor_class
+    # (used when processor_config.json names none; found by the round-5 attack: convert passed, serve crashed)
+    if not has_processor_files(folder):
+        return
+    try:
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return
+    if not isinstance(tokenizer_config, dict):
+        return
+    auto_map = tokenizer_config.get("auto_map")
+    processor_keys = ("AutoProcessor", "AutoImageProcessor", "AutoVideoProcessor", "AutoFeatureExtractor")
+    named_code = isinstance(auto_map, dict) and any(key in auto_map for key in processor_keys)
+    processor_class = tokenizer_config.get("processor_class")
+    if named_code or (processor_class is not None and not known(processor_class)):
+        raise KHAError(
+            f"{folder}'s processor needs its own code ({folder / 'tokenizer_config.json'}: auto_map or "
+            "processor_class); a KHA checkpoint never runs processor code: use a copy whose processor names "
+            "classes transformers has"
+        )
 
 
 def _remote_code_error(ref, err: Exception) -> KHAError | None:

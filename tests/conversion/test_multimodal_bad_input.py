@@ -161,17 +161,25 @@ def test_knock_layers_must_be_integers(layers):
         KHAConfig.from_base(multimodal_config("gemma3").text_config, knock_layers=layers)
 
 
-@pytest.mark.parametrize("where", ["top", "nested", "not_a_class"])
+@pytest.mark.parametrize("where", ["top", "nested", "not_a_class", "tokenizer_config"])
 def test_a_processor_that_needs_its_own_code_is_refused_by_convert_and_serve(where, tmp_path):
     """processor_config.json naming a class only a file in the folder defines (at its top, or in the image processor
-    it nests, or a name transformers has that is no class): a KHA checkpoint never runs it."""
+    it nests, or a name transformers has that is no class), or tokenizer_config.json naming processor code while
+    processor_config.json names no class (safety round 5 item 6): a KHA checkpoint never runs it."""
     save_gemma3_with_processor(tmp_path / "base")
     convert(tmp_path / "base", tmp_path / "kha", knock="linear_v", progress=False)
     for folder in (tmp_path / "base", tmp_path / "kha"):
         path = folder / "processor_config.json"
         config = json.loads(path.read_text())
         evil = {"auto_map": {"AutoProcessor": "evil.EvilProcessor"}, "processor_class": "EvilProcessor"}
-        if where == "nested":
+        if where == "tokenizer_config":
+            config.pop("processor_class", None)
+            tokenizer_path = folder / "tokenizer_config.json"
+            tokenizer_config = json.loads(tokenizer_path.read_text())
+            tokenizer_config.update(auto_map={"AutoProcessor": "evil.EvilProcessor"})
+            tokenizer_config.pop("processor_class", None)
+            tokenizer_path.write_text(json.dumps(tokenizer_config))
+        elif where == "nested":
             evil = {"auto_map": {"AutoImageProcessor": "evil.EvilIP"}, "image_processor_type": "EvilIP"}
             config["image_processor"].update(evil)
         else:
