@@ -100,6 +100,8 @@ def check_plot_path(path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    if str(path).endswith(("/", "\\")):  # Path() would drop the slash and write a file the user called a folder
+        raise KHAError(f"cannot write a plot to {path}: that names a folder; give a file name such as knocks.png")
     path = Path(path)
     formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
     if path.suffix.lstrip(".").lower() not in formats:

@@ -300,7 +300,16 @@ class KHAConfig(PreTrainedConfig):
         object.__setattr__(self, "attribute_map", dict(family.attribute_map))
         preset = kwargs.pop("knock", None)
         if preset is not None:
-            self.knock_q, self.knock_k, self.knock_v = resolve_knock_preset(preset)
+            wanted = resolve_knock_preset(preset)
+            given = (self.knock_q, self.knock_k, self.knock_v)
+            defaults = ("none", "none", "mlp")  # the fields' defaults: a value other than these was given
+            clash = [f"knock_{t}={g!r}" for t, g, d, w in zip("qkv", given, defaults, wanted) if g not in (d, w)]
+            if clash:
+                raise ValueError(
+                    f"knock={preset!r} means knock_q/k/v = {'/'.join(wanted)}, but {', '.join(clash)} was given too: "
+                    "give the preset or the three types, not both"
+                )
+            self.knock_q, self.knock_k, self.knock_v = wanted
         # The base family's own class validates the architecture fields (the extra keyword arguments) and fills its
         # defaults; its values become attributes here. Fields of this dataclass (dtype, knocks, ...) stay as given.
         own_fields = {f.name for f in dataclasses.fields(self)}

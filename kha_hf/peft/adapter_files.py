@@ -80,8 +80,8 @@ def read_adapter_knocks(folder: Path) -> dict[str, torch.Tensor]:
         match = _ADAPTER_KEY.match(key[len(PEFT_PREFIX) :]) if key.startswith(PEFT_PREFIX) else None
         if match is None:
             raise KHAError(
-                f"{path}: {key} is not a knock tensor (an adapter that also trains other modules, modules_to_save, "
-                "does not convert: those weights would be lost)"
+                f"{path}: {key} is not a knock tensor: kha reads adapters that hold knocks only (the weights of "
+                "modules_to_save would be lost)"
             )
         kha_key = f"{match['layer']}.{match['knock']}"
         if kha_key in names.values():
