@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import BaseTuner, _filter_state_dict_by_key_prefixes, _get_tuner_state_dict_key_prefixes
+from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
 from ..modeling.families import (
@@ -27,6 +27,10 @@ from .config import KnockConfig
 from .layer import KnockLayer
 
 KNOCK_ADAPTER_TAGS = ["kha-hf", "knocking-heads-attention", "knock-adapter"]
+# peft >= 0.21 lets a tuner name its tensors in the file (`_remove_adapter_name_from_key`) and check a file before it
+# loads (`_remap_adapter_state_dict_for_load`). peft 0.20 (Axolotl 0.19's pin) has neither: it would save the
+# adapter name inside every key and load the knocks nowhere, in silence, so knock adapters refuse it in one line.
+REMAP_HOOK = hasattr(BaseTuner, "_remap_adapter_state_dict_for_load")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.[^.]+\.([^.]+)$")  # ...layers.<i>.<attention>.<projection>
 
 
@@ -36,6 +40,40 @@ def saved_module_tensor(key: str, config: KnockConfig, adapter_name: str) -> boo
     matches them)."""
     module = key.replace(f".modules_to_save.{adapter_name}.", ".").rsplit(".", 1)[0]
     return any(module == name or module.endswith(f".{name}") for name in config.modules_to_save or ())
+
+
+def check_knock_state_dict(
+    model_state: dict[str, torch.Tensor], given_state: dict[str, torch.Tensor], config: KnockConfig, adapter_name: str
+) -> None:
+    """ValueError (one line) unless GIVEN_STATE (an adapter file's tensors, under the model's names with the adapter
+    name in them) holds exactly ADAPTER_NAME's knocks of MODEL_STATE, finite floating point of the same shapes, plus
+    only tensors of modules that CONFIG's modules_to_save names."""
+    expected = {key: t for key, t in model_state.items() if f".knock_sets.{adapter_name}." in key}
+    given = {key: tensor for key, tensor in given_state.items() if ".knock_sets." in key}
+    # Anything else must belong to a module the adapter's modules_to_save names: peft loads the rest into the
+    # base model as it stands (strict=False), so one extra `lm_head.weight` would replace the base's weights.
+    others = sorted(
+        key for key in given_state if key not in given and not saved_module_tensor(key, config, adapter_name)
+    )
+    if others:
+        raise ValueError(
+            f"knock adapter {adapter_name!r} holds {len(others)} tensors that are neither knocks nor of a module "
+            f"its modules_to_save names: {others[:2]} (they would replace the base model's weights)"
+        )
+    missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    if missing or extra:
+        raise ValueError(
+            f"knock adapter {adapter_name!r} does not fit this model: {len(missing)} knock tensors missing "
+            f"{missing[:2]}, {len(extra)} unexpected {extra[:2]}"
+        )
+    for key, tensor in given.items():
+        if tensor.shape != expected[key].shape:
+            raise ValueError(
+                f"knock adapter {adapter_name!r}: {key} has shape {tuple(tensor.shape)}, this model's knock "
+                f"{tuple(expected[key].shape)} (an adapter of another model size)"
+            )
+        if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+            raise ValueError(f"knock adapter {adapter_name!r}: {key} is not finite floating point ({tensor.dtype})")
 
 
 def _family(model: nn.Module) -> tuple[str, Any]:
@@ -160,6 +198,16 @@ class KnockModel(BaseTuner):
         # depend on the name the adapter had (peft's default strips only a second-to-last name)
         return key.replace(f".knock_sets.{adapter_name}.", ".knock_sets.", 1)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not REMAP_HOOK:
+            import peft
+
+            raise ValueError(
+                f"knock adapters need peft>=0.21 (its tuner hooks name, check and load their tensors), this is "
+                f"{peft.__version__}: pip install 'peft>=0.21' (kha convert --adapter and KHA checkpoints need no peft)"
+            )
+        super().__init__(*args, **kwargs)
+
     @classmethod
     def _remap_adapter_state_dict_for_load(
         cls, model: nn.Module, config: KnockConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
@@ -167,33 +215,7 @@ class KnockModel(BaseTuner):
         """As peft does, then refuse (one line, before any tensor is loaded) a file whose knocks are missing, extra,
         of other shapes, not floating point, or not finite: peft itself would load what fits and warn."""
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
-        prefixes = _get_tuner_state_dict_key_prefixes(model, adapter_name=adapter_name)
-        expected = _filter_state_dict_by_key_prefixes(model.state_dict(), prefixes)
-        given = {key: tensor for key, tensor in remapped.items() if ".knock_sets." in key}
-        # Anything else must belong to a module the adapter's modules_to_save names: peft loads the rest into the
-        # base model as it stands (strict=False), so one extra `lm_head.weight` would replace the base's weights.
-        others = sorted(
-            key for key in remapped if key not in given and not saved_module_tensor(key, config, adapter_name)
-        )
-        if others:
-            raise ValueError(
-                f"knock adapter {adapter_name!r} holds {len(others)} tensors that are neither knocks nor of a module "
-                f"its modules_to_save names: {others[:2]} (they would replace the base model's weights)"
-            )
-        missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
-        if missing or extra:
-            raise ValueError(
-                f"knock adapter {adapter_name!r} does not fit this model: {len(missing)} knock tensors missing "
-                f"{missing[:2]}, {len(extra)} unexpected {extra[:2]}"
-            )
-        for key, tensor in given.items():
-            if tensor.shape != expected[key].shape:
-                raise ValueError(
-                    f"knock adapter {adapter_name!r}: {key} has shape {tuple(tensor.shape)}, this model's knock "
-                    f"{tuple(expected[key].shape)} (an adapter of another model size)"
-                )
-            if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
-                raise ValueError(f"knock adapter {adapter_name!r}: {key} is not finite floating point ({tensor.dtype})")
+        check_knock_state_dict(model.state_dict(), remapped, config, adapter_name)
         return remapped
 
     def _check_merge_allowed(self) -> None:

@@ -75,3 +75,24 @@ def test_nan_knocks_are_refused_in_peft_s_words_with_the_weights_untouched(llama
     with pytest.raises(ValueError, match="NaNs detected in the merged weights. The adapter default seems to be broken"):
         peft_model.merge_and_unload(safe_merge=safe_merge)
     assert torch.equal(v_proj.weight, before)
+
+
+def test_knock_adapters_refuse_an_old_peft_in_one_line(llama_base):  # noqa: F811
+    """peft 0.20 would save the adapter name inside every key and load the knocks nowhere, in silence."""
+    import peft
+    from peft import get_peft_model
+
+    from kha_hf import KnockConfig
+    from kha_hf.peft.model import REMAP_HOOK
+
+    if REMAP_HOOK:
+        model = get_peft_model(_stock(llama_base), KnockConfig(knock="linear_v"))
+        assert any(".knock_sets." in name for name, _ in model.named_parameters())
+        return
+    with pytest.raises(ValueError) as err:
+        get_peft_model(_stock(llama_base), KnockConfig(knock="linear_v"))
+    assert str(err.value).startswith(
+        f"knock adapters need peft>=0.21 (its tuner hooks name, check and load their "
+        f"tensors), this is {peft.__version__}"
+    )
+    assert len(str(err.value).splitlines()) == 1
