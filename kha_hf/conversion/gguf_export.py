@@ -194,6 +194,14 @@ def export_gguf(
                         _check_finite(values, t, kha_dir)
                         writer.write_tensor_data(_convert(values, t, gguf, kha_dir))
                     bar.update()
+        except OSError as err:
+            if err.errno is not None:
+                raise
+            # numpy's tofile reports a short write without an errno ("81920 requested and 48000 written")
+            raise KHAError(
+                f"cannot write {out.name}: only part of a write reached the file ({err}): the disk is full or a "
+                "file-size limit (ulimit -f) is set; nothing was written"
+            ) from err
         finally:
             writer.close()  # also on an error: the temporary file is then removed
     return GGUFResult(out, folded, family.arch, outtype, out.stat().st_size, warnings)
