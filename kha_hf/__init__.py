@@ -8,8 +8,12 @@ checkpoints load with `AutoModelForCausalLM.from_pretrained(path)` even without 
 import sys
 
 from .common.errors import KHAError
+from .common.supported_versions import check_transformers
 from .common.version import __version__
-from .modeling import DEFAULT_KNOCK, KNOCK_PRESETS, SUPPORTED_BASE_MODEL_TYPES, KHAConfig
+
+check_transformers()  # one line below the supported floor, one warning above the newest tested release
+
+from .modeling import DEFAULT_KNOCK, KNOCK_PRESETS, SUPPORTED_BASE_MODEL_TYPES, KHAConfig  # noqa: E402
 
 _registered = False
 

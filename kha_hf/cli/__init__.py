@@ -7,9 +7,11 @@ conversion, training, eval); nothing here computes.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..common.errors import KHAError
+from ..common.supported_versions import versions_line
 from . import ab, adapter, assets, convert, demo, fold, inspect, push, serve, train, verify
 from . import eval as eval_  # `eval_`: the module of `kha eval`, not the builtin
 from ._common import HelpFormatter, OneLineErrorParser
@@ -39,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=HelpFormatter,
     )
+    parser.add_argument(
+        "--version", action="version", version=versions_line(), help="kha-hf's version and those it runs on"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
@@ -67,9 +72,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kha {args.command}: error: an input file nests too deeply to be read", file=sys.stderr)
         return 2
     except OSError as err:  # the file system said no (read-only, full, permissions): not a bug of kha
-        where = f": {err.filename}" if err.filename else ""
-        print(f"kha {args.command}: error: {err.strerror or err}{where}", file=sys.stderr)
+        print(f"kha {args.command}: error: {describe_os_error(err)}", file=sys.stderr)
         return 2
+
+
+def describe_os_error(err: OSError) -> str:
+    """One line for an OSError: what failed and on which file. A copy's error names its source first and its
+    destination second (`shutil.copyfile`): when writing failed (disk full, file-size limit) the destination is
+    the file that matters, named without kha's temporary folder (which is removed)."""
+    import errno
+
+    reason = err.strerror or str(err)
+    if err.errno == errno.EFBIG:
+        reason += " (a file-size limit of this process: ulimit -f)"
+    if err.errno in (errno.EFBIG, errno.ENOSPC, errno.EDQUOT) and err.filename2:
+        return f"{reason}: writing {os.path.basename(err.filename2)}; nothing was written"
+    return f"{reason}: {err.filename}" if err.filename else reason
 
 
 def _quiet_interrupted_progress_bars() -> None:
