@@ -419,7 +419,10 @@ def _become(model: PreTrainedModel, cls: type) -> None:
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
     except ImportError:  # releases that read the class attribute directly
         return
-    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+    if type(_CAN_RECORD_REGISTRY) is dict:  # 5.16.1 (the floor): a plain dict keyed by the class's name
+        _CAN_RECORD_REGISTRY[str(cls)] = model._can_record_outputs
+    else:  # 5.24: a registry that takes the model and files it under its class's name
+        _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
 
 
 class KHAForCausalLM(KHAPreTrainedModel, GenerationMixin):

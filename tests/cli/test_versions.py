@@ -116,9 +116,7 @@ def test_a_newer_transformers_warns_once_at_import(tmp_path):
 
 
 def test_kha_version_names_the_libraries_it_runs_on():
-    import peft
-    import torch
-    import transformers
+    from importlib.metadata import version  # the distributions' versions (torch's import name adds +cpu / +cu130)
 
     from kha_hf import __version__
 
@@ -126,6 +124,6 @@ def test_kha_version_names_the_libraries_it_runs_on():
         [sys.executable, "-m", "kha_hf_entry", "--version"], capture_output=True, text=True, cwd=ROOT, check=True
     )
     assert run.stdout.strip() == (
-        f"kha-hf {__version__} (transformers {transformers.__version__}, torch {torch.__version__}, "
-        f"peft {peft.__version__})"
+        f"kha-hf {__version__} (transformers {version('transformers')}, torch {version('torch')}, "
+        f"peft {version('peft')})"
     )

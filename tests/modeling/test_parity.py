@@ -4,6 +4,8 @@ import copy
 
 import pytest
 import torch
+import transformers
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kha_hf import KNOCK_PRESETS, KHAForCausalLM
 from kha_hf.modeling.knocks import KnockLinear
@@ -65,6 +67,11 @@ def test_greedy_generate_identical_with_and_without_cache(family):
         assert torch.equal(got, expected), f"use_cache={use_cache}"
 
 
+# The KV cache's name in model outputs and forward arguments: `cache` from transformers 5.24 on, `past_key_values`
+# before (5.16.1 to 5.23, the low end of kha-hf's range)
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_decoding_matches_full_forward_with_trained_knocks(family):
     # Non-identity knocks: a forward override that dropped or misused the KV cache would diverge here.
@@ -76,7 +83,7 @@ def test_cached_decoding_matches_full_forward_with_trained_knocks(family):
         out = kha(ids[:, :5], use_cache=True)
         steps = [out.logits]
         for t in range(5, ids.shape[1]):
-            out = kha(ids[:, t : t + 1], cache=out.cache, use_cache=True)
+            out = kha(ids[:, t : t + 1], **{CACHE: getattr(out, CACHE)}, use_cache=True)
             steps.append(out.logits)
     assert_close(torch.cat(steps, dim=1), full, atol=1e-5, what="cached vs full")
     prompt = ids[:1, :6]
@@ -90,7 +97,10 @@ def test_moe_router_aux_loss_equal(family):
     kha = KHAForCausalLM.from_base(copy.deepcopy(base), knock="mlp_v")
     ids = torch.randint(3, 128, (2, 9))
     with torch.no_grad():
-        expected = base(ids, labels=ids, output_router_logits=True)
+        try:
+            expected = base(ids, labels=ids, output_router_logits=True)
+        except AttributeError as err:  # transformers 5.17's Mixtral/Qwen3-MoE: aux_loss is the int 0 here
+            pytest.skip(f"the stock {family} model fails on transformers {transformers.__version__}: {err}")
         got = kha(ids, labels=ids, output_router_logits=True)
     assert expected.aux_loss is not None
     assert_close(got.aux_loss, expected.aux_loss)
