@@ -208,6 +208,11 @@ def multimodal_logits(model, inputs: dict) -> torch.Tensor:
     steps up to the language model are run instead (image features, projector, placeholder scatter)."""
     if getattr(model.config, "base_model_type", model.config.model_type) != "llama4":
         return model(**inputs).logits
+    try:
+        return model(**inputs).logits  # transformers 5.16.1 (kha-hf's floor) runs Llama 4's own forward
+    except AttributeError as err:
+        if "image_outputs" not in str(err):
+            raise
     ids = inputs["input_ids"]
     embeds = model.get_input_embeddings()(ids)
     features = model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True).last_hidden_state
