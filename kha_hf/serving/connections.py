@@ -1,7 +1,7 @@
 """Connection limits of `kha serve`, below the HTTP requests: read timeouts, idle sockets, a cap on connections.
 
-transformers 5.24 starts uvicorn with its defaults (`uvicorn.Config(app, host, port, log_level)`). uvicorn 0.54
-offers:
+transformers starts uvicorn with its defaults (5.24: `uvicorn.Config(app, host, port, log_level)`; 5.25 adds only a
+callback that stops the server when the model's process died). uvicorn (0.54, 0.55) offers:
 
 - `timeout_keep_alive` (5 s): closes a connection idle *after* a response. Used as is.
 - `h11_max_incomplete_event_size` (16 KiB): the most header bytes buffered before a 400. Set explicitly.

@@ -6,12 +6,20 @@ import json
 
 
 class RequestError(Exception):
-    """A request the guard (or a handler) answers itself, in OpenAI's error format."""
+    """A request the guard (or a handler) answers itself, in OpenAI's error format. KIND is the error's type:
+    "invalid_request_error" (the request's fault) or "server_error"."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
     def body(self) -> bytes:
-        error = {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": self.code}
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
         return json.dumps({"error": error}).encode()

@@ -1,7 +1,7 @@
 """What a request to `kha serve` may carry: one allowlist per endpoint, every field with its type and range.
 
 A field that is not listed for its endpoint answers 400 naming it, and so does a listed field of the wrong type
-or out of range, at any depth (`messages[2].content[0].text`). The lists hold what transformers 5.24's handlers
+or out of range, at any depth (`messages[2].content[0].text`). The lists hold what transformers' handlers (5.25)
 apply, so nothing a client sends is silently ignored; the ranges keep every value inside what transformers
 accepts without an exception (a 500), and keep the work a request can ask for small:
 
@@ -140,8 +140,8 @@ def logit_bias(value, name):
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
             raise bad(name, "an object whose keys are token ids", key)
         number(-100, 100)(bias, f"{name}[{key}]")
-        biases[str(int(key))] = float(bias)  # transformers 5.24's SequenceBiasLogitsProcessor takes floats only
-    return biases or None  # transformers 5.24 fails on an empty sequence_bias
+        biases[str(int(key))] = float(bias)  # SequenceBiasLogitsProcessor takes floats only (5.24, 5.25)
+    return biases or None  # transformers fails on an empty sequence_bias (5.24, 5.25)
 
 
 def fields_of(spec: dict[str, Check], required: tuple[str, ...] = ()) -> Check:
@@ -339,7 +339,7 @@ def response_input(value, name):
         return value
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_MESSAGES:
         raise bad(name, f"a string or a list of 1 to {MAX_MESSAGES} input items", value)
-    if isinstance(value[0], dict) and "role" not in value[0]:  # transformers 5.24: a list of parts, one message
+    if isinstance(value[0], dict) and "role" not in value[0]:  # transformers (5.24, 5.25): a list of parts, one message
         return content(TEXT_PARTS["/v1/responses"], no_images=RESPONSES_NO_IMAGES)(value, name)
     out = []
     for i, item in enumerate(value):
@@ -365,6 +365,8 @@ def endpoint_fields(max_new_tokens: int, images: bool = False) -> dict[str, tupl
     # frequency_penalty becomes transformers' repetition_penalty = 1 + frequency_penalty, which must be > 0 and
     # divides positive logits: at least 0.1, so that they cannot overflow
     penalty = number(-0.9, 2.0)
+    # a last streamed chunk with the usage (transformers >= 5.25, as OpenAI; 5.24 sent it with every stream)
+    stream_options = fields_of({"include_usage": boolean})
     return {
         "/v1/chat/completions": (
             {
@@ -377,6 +379,7 @@ def endpoint_fields(max_new_tokens: int, images: bool = False) -> dict[str, tupl
                 "stop": stop,
                 "tools": list_of(CHAT_TOOL, MAX_TOOLS),
                 "n": one_of(1),
+                "stream_options": stream_options,
             },
             ("messages",),
         ),
@@ -389,6 +392,7 @@ def endpoint_fields(max_new_tokens: int, images: bool = False) -> dict[str, tupl
                 "stop": stop,
                 "suffix": string(),
                 "n": one_of(1),
+                "stream_options": stream_options,
             },
             ("prompt",),
         ),

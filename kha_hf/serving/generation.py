@@ -1,379 +1,308 @@
-"""transformers' generation managers with the limits of `kha serve`: context, new tokens, time, disconnects.
+"""transformers' model client (`EngineClient`) with the limits of `kha serve`: context, new tokens, time, disconnects.
 
-transformers 5.24's `GenerateManager` runs `model.generate` on one inference thread per model, and
-`CBGenerateManager` feeds its continuous-batching manager; neither caps a request by the model's context, a
-non-streamed generation runs on after its client has gone, and continuous batching has no time limit at all (its
-requests take no `max_time`) and takes its sampling settings from the first request it sees. The subclasses here
-add, per request:
+transformers 5.25 runs the model in a process of its own (its engine, see `engine.py`); the API server sends it each
+request through an `EngineClient`, and a request whose handler is cancelled is cancelled there too. What 5.25 does
+not do, kha serve adds here, in the API server, per request:
 
-- the prompt must fit the model's context (`max_position_embeddings`), else 400; `max_new_tokens` is cut to the
-  server's limit and to what the context leaves (the reply's finish_reason says "length");
-- a time limit: the request's budget (`--request-timeout` less the time its prompt took to render), counted from
-  its submission (time queued behind other requests included; a request whose time ran out before it reached the
-  model answers 503), a stopping criterion on the sequential path, a timer that cancels the request under
-  continuous batching; a generation cut by it ends with finish_reason "length" and the tokens made so far;
-- cancellation when the client disconnects (`RequestRegistry.cancel`, called by the guard middleware);
-- each generation is tracked while it runs, so `/health` can tell a stuck server (continuous batching included);
-- continuous batching samples with the server's settings (the model's generation config), never with a request's:
-  `handlers.py` refuses per-request settings that would differ from them.
+- the prompt must fit the model's context, else 400 in OpenAI's format (5.25 checks it too, `_check_prompt_length`,
+  but answers `{"detail": ...}`); max_new_tokens is cut to --max-new-tokens and to what the context leaves (5.25
+  asks for at least 1024 whatever the context), and under continuous batching to what its paged KV cache holds (a
+  longer request still kills 5.25's batch loop for every client);
+- a time limit (5.25 has none): the request's budget (--request-timeout less the time its prompt took to render),
+  counted from its submission (time queued behind other requests counts), after which the request is cancelled in
+  the model's process; it answers with the tokens made so far and finish_reason "length". One that has made no
+  token by then gets FIRST_TOKEN_GRACE seconds more for its first (it may have reached the model just before), else
+  answers 503 (its time ran out while it waited for the model);
+- cancellation when the client disconnects: 5.25's own `CancelOnDisconnect` cancels the handler, and kha's guard
+  cancels through `RequestRegistry` too;
+- each generation is tracked for /health from its submission until the model's process has let it go: a request
+  cancelled (by its time limit or its client) counts until the model's process shows it dropped it
+  (`engine.engine_request_gone`), so a generation that never stops makes /health answer 503;
+- an error inside the model answers 500 in OpenAI's format (5.25 answers a ValueError raised by `generate` as the
+  client's 400 `{"detail": ...}`: kha serve has checked every field before, so what fails in the model is the
+  server's).
 
-`KHAGenerationState` hands out these managers; `kha serve` swaps it in for transformers' class while its server is
-being built (the same one-call swap as the model manager's).
+Every request's tokens stream from the model's process, a non-streamed one's too, so that one cut by its time limit
+still answers with what it made. `KHAEngineClient` is transformers' client with these; the handlers (`handlers.py`)
+hand transformers' response builders `KHAEngineClient.for_request(...)`, the client bound to one request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
+import logging
 import time
+from collections.abc import Callable
+from functools import cached_property
 
+from transformers.cli.serving.model_manager import EngineClient
+from transformers.cli.serving.utils import Detokenizer, EngineDeadError, Modality, _StreamError, prompt_length
+
+from .engine import engine_cb_info, engine_request_gone, engine_trim_stop_string_cache
 from .errors import RequestError
 from .guard import RequestRegistry, ServeLimits
 
-# transformers 5.24 keeps up to 8 StopStringCriteria embeddings (vocabulary x stop-string positions, ~100 MB each
-# for a 49k vocabulary) in a module-level cache; kha serve keeps the 2 most recent
-STOP_STRING_CACHE_ENTRIES = 2
+logger = logging.getLogger("kha_hf.serving")
+
 CACHE_WHAT = "continuous batching's KV cache (--cb-num-blocks)"
+WAITED = "the server was busy for this request's whole --request-timeout; retry later"
+GONE_POLL_SECONDS = 0.5
+# A request whose time runs out before its first token gets this long to make one (it may have started just
+# before: transformers 5.24, where kha serve's limit was a stopping criterion, stopped it after its first token),
+# else 503
+FIRST_TOKEN_GRACE = 2.0
 
 
-def model_context(model) -> int | None:
-    """The number of positions MODEL was built for, or None when its config does not say."""
-    value = getattr(model.config, "max_position_embeddings", None)
+def model_context(config) -> int | None:
+    """The number of positions the model of CONFIG was built for, or None when its config does not say."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
     return value if isinstance(value, int) and value > 0 else None
 
 
-def fit_request(model, inputs: dict, gen_config, limits: ServeLimits, cache_tokens: int | None = None) -> None:
-    """Cut GEN_CONFIG's new tokens to the limits; HTTP 400 when the prompt alone does not fit the context (or,
-    under continuous batching, the CACHE_TOKENS its paged cache holds)."""
-    ids = inputs["input_ids"]
-    prompt = len(ids) if isinstance(ids, list) else int(ids.shape[-1])
+def fit_request(
+    config, prompt: int, asked: int | None, generation_kwargs: dict, limits: ServeLimits, cache_tokens=None
+) -> None:
+    """Set GENERATION_KWARGS' max_new_tokens: ASKED (the request's max_tokens, or None), cut to the limits; HTTP 400
+    when the PROMPT tokens alone do not fit the context (or, under continuous batching, the CACHE_TOKENS its paged
+    cache holds)."""
     allowed = limits.max_new_tokens
-    for context, what in ((model_context(model), "this model's context"), (cache_tokens, CACHE_WHAT)):
+    for context, what in ((model_context(config), "this model's context"), (cache_tokens, CACHE_WHAT)):
         if context is None:
             continue
         if prompt >= context:
             raise RequestError(400, f"the prompt has {prompt} tokens; {what} is {context} tokens")
         allowed = min(allowed, context - prompt)
-    gen_config.max_new_tokens = min(gen_config.max_new_tokens or allowed, allowed)
-    gen_config.max_length = None  # max_new_tokens decides
+    generation_kwargs["max_new_tokens"] = min(asked or allowed, allowed)
 
 
-def take_budget(gen_config, limits: ServeLimits) -> float:
-    """The seconds this request's generation may run (set as GEN_CONFIG.max_time by the handler), at most
-    --request-timeout; max_time is cleared, as kha serve applies the limit itself (see `TimeLimit`)."""
-    budget = gen_config.max_time if gen_config.max_time is not None else limits.request_timeout
-    gen_config.max_time = None
-    return max(0.0, min(budget, limits.request_timeout))
+def mark_cut(generation_kwargs: dict, generated: int) -> None:
+    """A generation stopped by its time limit after GENERATED tokens: transformers' handlers report "length" when
+    the tokens reach max_new_tokens, so max_new_tokens (of this request's own settings) becomes GENERATED."""
+    generation_kwargs["max_new_tokens"] = generated
 
 
-def mark_cut(gen_config, generated: int) -> None:
-    """A generation stopped by its time limit after GENERATED tokens: transformers' handlers report "length"
-    when the tokens reach max_new_tokens, so max_new_tokens (of this request's own copy) becomes GENERATED."""
-    gen_config.max_new_tokens = generated
+def engine_error(err: BaseException) -> RequestError:
+    """What a client is answered when the model's process failed its request (the error is logged here)."""
+    if isinstance(err, RequestError):
+        return err
+    if isinstance(err, EngineDeadError):
+        return RequestError(503, f"the model's process died: {err}"[:300], kind="server_error")
+    logger.error("kha serve: the model failed on a request: %s: %s", type(err).__name__, err)
+    return RequestError(500, "the model failed on this request (see the server log)", kind="server_error")
 
 
-def trim_stop_string_cache() -> None:
-    from transformers.generation import stopping_criteria
+class Generation:
+    """One request's generation in the model's process, as the API server follows it: its tokens as they come
+    (transformers' EngineClient calls `put_token`), its time limit, its cancellation, its tracking for /health.
+    ON_TOKEN(token) gets each token; ON_END(outcome) runs once, `outcome` being "done", "cut" (its time ran out),
+    "cancelled" (its client left) or the error that failed it; so is `outcome`, a future."""
 
-    cache = stopping_criteria.STOP_STRING_EMBEDDING_CACHE
-    while len(cache) > STOP_STRING_CACHE_ENTRIES:
-        cache.popitem(last=False)  # the least recently used
+    def __init__(
+        self,
+        engine: KHAEngineClient,
+        request_id: str,
+        on_token: Callable[[int], None] | None = None,
+        on_end: Callable[[object], None] | None = None,
+    ) -> None:
+        self.engine, self.registry, self.request_id = engine, engine.kha_registry, request_id
+        self.on_token, self.on_end = on_token, on_end
+        self.tokens: list[int] = []
+        self.over = False
+        self.outcome: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.task: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
 
+    def start(self, inputs: dict, generation_kwargs: dict, deadline: float) -> None:
+        """Send the request (its tokens streamed here), to be cut at DEADLINE (time.monotonic())."""
+        budget = deadline - time.monotonic()
+        if budget <= 0:
+            raise RequestError(503, WAITED, kind="server_error")
+        loop = asyncio.get_running_loop()
+        self.registry.begin(self)
+        # copies: the requests queue pickles its items later, in its feeder thread
+        args = (dict(inputs), dict(generation_kwargs))
+        self.task = asyncio.ensure_future(self.engine._send_request("generate", args=args, streamer=self))
+        self.task.add_done_callback(self._ended)
+        self.timer = loop.call_later(budget, self._time_up)
+        self.registry.on_cancel(self.request_id, lambda: loop.call_soon_threadsafe(self.stop, False))
 
-def time_limit_criterion(seconds: float, prompt_len: int, gen_config):
-    """A stopping criterion: stop SECONDS after it is made, marking the cut on GEN_CONFIG (see `mark_cut`).
-    transformers' own max_time stops as well, but the handlers cannot tell its stop from an end of text."""
-    import torch
-    from transformers.generation.stopping_criteria import StoppingCriteria
+    def put_token(self, token: int) -> None:
+        if self.over:
+            return  # cut or cancelled: what still arrives is nobody's
+        self.tokens.append(token)
+        if self.on_token is not None:
+            self.on_token(token)
+        if self.overdue:
+            self.stop(True)
 
-    class TimeLimit(StoppingCriteria):
-        def __init__(self) -> None:
-            self.deadline = time.monotonic() + seconds
-            self.fired = False
+    overdue = False  # its time ran out before its first token
 
-        def __call__(self, input_ids, scores, **kwargs):
-            over = time.monotonic() >= self.deadline
-            if over and not self.fired:
-                self.fired = True
-                mark_cut(gen_config, int(input_ids.shape[-1]) - prompt_len)
-            return torch.full((input_ids.shape[0],), over, dtype=torch.bool, device=input_ids.device)
+    def _time_up(self) -> None:
+        if self.tokens or self.overdue:
+            self.stop(True)
+            return
+        self.overdue = True
+        self.timer = asyncio.get_running_loop().call_later(FIRST_TOKEN_GRACE, self.stop, True)
 
-    return TimeLimit()
+    def stop(self, time_up: bool) -> None:
+        """Cancel the request in the model's process: its time ran out (TIME_UP) or its client left."""
+        if self.over or self.task is None:
+            return
+        if self.task.done():  # it ended; its callback has not run yet
+            self._ended(self.task)
+            return
+        self.over = True
+        self.timer.cancel()
+        pending = list(self.engine.pending_requests.items())
+        engine_id = next((key for key, (_, streamer) in pending if streamer is self), None)
+        self.task.cancel()  # transformers' client then sends the model's process a "cancel"
+        self._linger(engine_id)
+        self._resolve("cut" if time_up else "cancelled")
 
+    def _ended(self, task: asyncio.Task) -> None:
+        if self.over:
+            return
+        self.over = True
+        self.timer.cancel()
+        self.registry.end(self)
+        error = None if task.cancelled() else task.exception()
+        self._resolve("cancelled" if task.cancelled() else error if error is not None else "done")
 
-class WaitedTooLong(Exception):
-    """A request's time limit ran out while it waited for the inference thread (other requests ran first)."""
+    def _resolve(self, outcome) -> None:
+        if not self.outcome.done():
+            self.outcome.set_result(outcome)  # an error as a result: nobody may be left to retrieve it
+        if self.on_end is not None:
+            self.on_end(outcome)
 
-    MESSAGE = "the server was busy for this request's whole --request-timeout; retry later"
+    def _linger(self, engine_id: int | None) -> None:
+        """The generation counts as running until the model's process shows it has dropped the request."""
+        if engine_id is None:  # it never reached the model's process (or has left it)
+            self.registry.end(self)
+            return
+        gone = False
 
-
-def timed_generate(model, kwargs: dict, gen_config, deadline: float):
-    """model.generate(**KWARGS) stopped at DEADLINE (time.monotonic(), set when the request was submitted, so
-    the time it waited behind other requests counts); WaitedTooLong if it has passed before generation starts."""
-    from transformers.generation.stopping_criteria import StoppingCriteriaList
-
-    budget = deadline - time.monotonic()
-    if budget <= 0:
-        raise WaitedTooLong(WaitedTooLong.MESSAGE)
-    prompt_len = int(kwargs["input_ids"].shape[-1])
-    limit = time_limit_criterion(budget, prompt_len, gen_config)
-    try:
-        return model.generate(**kwargs, stopping_criteria=StoppingCriteriaList([limit]))
-    finally:
-        trim_stop_string_cache()
-
-
-def kha_generation_state_class(limits: ServeLimits, registry: RequestRegistry):
-    """transformers' GenerationState, handing out managers that apply LIMITS and cancel through REGISTRY."""
-    from transformers.cli.serving.utils import (
-        CBGenerateManager,
-        CBStreamer,
-        CBWorkerDeadError,
-        DirectStreamer,
-        GenerateManager,
-        GenerationState,
-        _GenerationCancelled,
-        _StreamError,
-    )
-
-    class CancellableStreamer:
-        """The streamer protocol of `model.generate`, used only to stop a non-streamed generation: the next
-        token after `cancel()` raises, as transformers' own DirectStreamer does for streamed requests."""
-
-        def __init__(self) -> None:
-            self.cancelled = False
-
-        def put(self, value) -> None:
-            if self.cancelled:
-                raise _GenerationCancelled()
-
-        def end(self) -> None:
-            pass
-
-        def cancel(self) -> None:
-            self.cancelled = True
-
-    class LimitedGenerateManager(GenerateManager):
-        def submit(self, fn, *args, **kwargs):
-            return super().submit(registry.track(fn), *args, **kwargs)
-
-        def async_submit(self, fn, *args, **kwargs):
-            return super().async_submit(registry.track(fn), *args, **kwargs)
-
-        def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
-            # As transformers 5.24's GenerateManager.generate_streaming, plus the limits and cancellation.
-            fit_request(model, inputs, gen_config, limits)
-            deadline = time.monotonic() + take_budget(gen_config, limits)  # queued time counts
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            rust_tokenizer = getattr(processor, "tokenizer", processor)._tokenizer
-            streamer = DirectStreamer(rust_tokenizer, loop, queue, response_parser=response_parser)
-            kwargs = {**inputs, "streamer": streamer, "generation_config": gen_config, "tokenizer": processor}
-            if hasattr(model, "has_talker"):
-                kwargs["generation_mode"] = "text"
-
-            def run() -> None:
-                try:
-                    timed_generate(model, kwargs, gen_config, deadline)
-                except _GenerationCancelled:
-                    loop.call_soon_threadsafe(queue.put_nowait, None)
-                except Exception as err:
-                    loop.call_soon_threadsafe(queue.put_nowait, _StreamError(str(err)))
-
-            self.submit(run)
-            registry.on_cancel(request_id, streamer.cancel)
-            return queue, streamer
-
-        async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
-            # As transformers 5.24's GenerateManager.generate_non_streaming, plus the limits and a streamer that
-            # stops the generation when the client disconnects.
-            from fastapi import HTTPException
-
-            fit_request(model, inputs, gen_config, limits)
-            deadline = time.monotonic() + take_budget(gen_config, limits)  # queued time counts
-            stopper = CancellableStreamer()
-            registry.on_cancel(request_id, stopper.cancel)
-            kwargs = {**inputs, "generation_config": gen_config, "tokenizer": processor, "streamer": stopper}
-            if hasattr(model, "has_talker"):
-                kwargs["generation_mode"] = "text"
+        async def watch() -> None:
+            nonlocal gone
             try:
-                sequences = await self.async_submit(timed_generate, model, kwargs, gen_config, deadline)
-            except _GenerationCancelled:
-                raise HTTPException(status_code=499, detail="the client disconnected") from None
-            except WaitedTooLong as err:
-                raise RequestError(503, str(err)) from None
-            input_len = inputs["input_ids"].shape[-1]
-            generated_ids = sequences[0, input_len:]
-            return processor.decode(generated_ids, skip_special_tokens=True), input_len, generated_ids
+                while not await self.engine.submit(engine_request_gone, str(engine_id)):
+                    await asyncio.sleep(GONE_POLL_SECONDS)
+            except Exception:  # the model's process failed or stopped: nothing of the request runs
+                pass
+            gone = True
 
-    class LimitedCBGenerateManager(CBGenerateManager):
-        """Continuous batching with a time limit per request, /health tracking, and the server's sampling."""
+        self.registry.end(self, still_running=lambda: not gone)
+        self.engine.kha_background(watch())
 
-        server_config = None
 
-        def sampling_config(self, model):
-            """The generation config every request is sampled with: the model's own (transformers 5.24 would take
-            the first request's temperature, top_p, logit_bias... and apply them to every later request)."""
-            if self.server_config is None:
-                config = copy.deepcopy(model.generation_config)
-                config.use_cache = False  # continuous batching manages its own paged cache
-                config.max_new_tokens = limits.max_new_tokens
-                self.server_config = config
-            return self.server_config
+class Stream(Detokenizer):
+    """transformers' Detokenizer of a streamed request, whose `cancel` (the client left) stops its `Generation`."""
 
-        def init_cb(self, model, gen_config) -> None:
-            super().init_cb(model, self.sampling_config(model))
+    generation: Generation | None = None
 
-        cache_tokens = None
+    def cancel(self) -> None:
+        if self.generation is not None:
+            self.generation.stop(False)
 
-        def wait_for_cache(self, seconds: float = 300) -> int | None:
-            """The tokens continuous batching's paged cache holds, once its loop has built it (blocking: call it
-            off the event loop). One request longer than that kills transformers 5.24's batch loop for every
-            client ("No requests can be scheduled and no requests can be offloaded"): fit_request cuts to it."""
-            deadline = time.monotonic() + seconds
-            while self.cache_tokens is None and time.monotonic() < deadline and self.is_alive():
-                processor = getattr(self._cb, "batch_processor", None)
-                if processor is not None:
-                    self.cache_tokens = int(processor.cache.max_tokens_read)
-                else:
-                    time.sleep(0.05)
-            return self.cache_tokens
 
-        def _forget(self, request_id: str) -> None:
-            # a cancelled request is never finished, so transformers 5.24 never drops its result handler
-            router = getattr(self._cb, "output_router", None)
-            if router is not None:
-                with router._lock:
-                    router.result_handlers.pop(request_id, None)
+class KHAEngineClient(EngineClient):
+    """transformers' client of the model's process, with kha serve's limits (see the module doc). Also reads a
+    multimodal KHA checkpoint's modality: transformers 5.25 reads it from the class name, which for KHA is
+    KHA<family class>, unknown to its tables."""
 
-        def _in_scheduler(self, request_id: str) -> bool:
-            processor = getattr(self._cb, "batch_processor", None)
-            scheduler = getattr(processor, "scheduler", None)
-            if scheduler is None:
-                return False
-            return request_id in scheduler.active_requests or request_id in scheduler.waiting_requests
+    def __init__(self, *args, registry: RequestRegistry, limits: ServeLimits, **kwargs) -> None:
+        self.kha_registry, self.kha_limits = registry, limits
+        self.kha_tasks: set[asyncio.Task] = set()
+        self.kha_cb: asyncio.Task | None = None
+        super().__init__(*args, **kwargs)
 
-        def _submit(self, request_id, inputs, gen_config, on_output, on_stop):
-            """Add the request (streamed outputs to ON_OUTPUT); ON_STOP(time_up) runs once if it is cut by its
-            time limit (True) or its client's disconnect (False). Returns `done()`, to call when it finished."""
-            cb = self._cb
-            if cb is None:
-                raise RuntimeError("Continuous batching processor not initialized.")
-            self._check_alive(request_id)
-            budget = take_budget(gen_config, limits)
-            loop = asyncio.get_running_loop()
-            token = object()
-            state = {"over": False}
+    @cached_property
+    def modality(self) -> Modality:
+        config = self.model_config
+        if getattr(config, "model_type", None) == "kha" and getattr(config, "is_multimodal", False):
+            if hasattr(self.processor, "image_processor"):
+                return Modality.VLM  # else a tokenizer alone (no processor files): text only, as transformers
+        return EngineClient.modality.func(self)
 
-            def stop(time_up: bool) -> None:
-                if state["over"]:
-                    return
-                state["over"] = True
-                timer.cancel()
-                cb.cancel_request(request_id)
-                self._forget(request_id)
-                registry.end(token, still_running=lambda: self._in_scheduler(request_id))
-                on_stop(time_up)
+    def kha_background(self, coroutine) -> None:
+        """Run COROUTINE on the event loop, keeping a reference until it ends."""
+        task = asyncio.ensure_future(coroutine)
+        self.kha_tasks.add(task)
+        task.add_done_callback(self.kha_tasks.discard)
 
-            def done() -> None:
-                if not state["over"]:
-                    state["over"] = True
-                    timer.cancel()
-                    registry.end(token)
+    async def cb_info(self) -> dict:
+        """Continuous batching's numbers (`engine.engine_cb_info`), asked of the model's process once."""
+        if self.kha_cb is None:
+            self.kha_cb = asyncio.ensure_future(self.submit(engine_cb_info))
+        return await asyncio.shield(self.kha_cb) or {}
 
-            cb.register_result_handler(request_id, lambda output: None if state["over"] else on_output(output))
-            registry.begin(token)
-            timer = loop.call_later(budget, stop, True)
-            cb.add_request(
-                inputs["input_ids"],
-                request_id=request_id,
-                streaming=True,
-                max_new_tokens=gen_config.max_new_tokens,
-                eos_token_id=gen_config.eos_token_id,
-            )
-            registry.on_cancel(request_id, lambda: loop.call_soon_threadsafe(stop, False))
-            return done
-
-        def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
-            # As transformers 5.24's CBGenerateManager.generate_streaming, plus the limits and tracking.
-            fit_request(model, inputs, gen_config, limits, self.cache_tokens)
-            loop = asyncio.get_running_loop()
-            text_queue: asyncio.Queue = asyncio.Queue()
-            rust_tokenizer = getattr(processor, "tokenizer", processor)._tokenizer
-            streamer = CBStreamer(self._cb, request_id, rust_tokenizer, loop, text_queue, response_parser)
-
-            def on_output(output) -> None:
-                try:
-                    streamer.put(output)
-                    if output.error is not None:
-                        text_queue.put_nowait(_StreamError(output.error))
-                        streamer.end()
-                        done()
-                    elif output.is_finished():
-                        streamer.end()
-                        done()
-                except Exception as err:
-                    text_queue.put_nowait(_StreamError(str(err)))
-                    done()
-
-            def on_stop(time_up: bool) -> None:
-                if time_up:
-                    mark_cut(gen_config, streamer.total_tokens)
-                streamer.end()  # the stream ends with its finish_reason and usage
-
-            done = self._submit(request_id, inputs, gen_config, on_output, on_stop)
-            return text_queue, streamer
-
-        async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
-            # As transformers 5.24's CBGenerateManager.generate_non_streaming, but the request streams its tokens
-            # here, so that a request cut by its time limit still answers with the tokens it made.
-            from fastapi import HTTPException
-
-            fit_request(model, inputs, gen_config, limits, self.cache_tokens)
-            future = asyncio.get_running_loop().create_future()
-            latest: list[int] = []
-
-            def on_output(output) -> None:
-                if future.done():
-                    return
-                latest[:] = output.generated_tokens
-                if output.error is not None:
-                    fatal = self._cb.background_thread_status.fatal_error is not None
-                    kind = CBWorkerDeadError if fatal else RuntimeError
-                    future.set_exception(kind(f"CB generation failed for {request_id}: {output.error}"))
-                elif output.is_finished():
-                    future.set_result(list(output.generated_tokens))
-
-            def on_stop(time_up: bool) -> None:
-                if future.done():
-                    return
-                if time_up:
-                    mark_cut(gen_config, len(latest))
-                    future.set_result(list(latest))
-                else:
-                    future.set_exception(_GenerationCancelled())
-
-            done = self._submit(request_id, inputs, gen_config, on_output, on_stop)
+    def trim_stop_string_cache(self) -> None:
+        async def trim() -> None:
             try:
-                generated_ids = await future
-            except _GenerationCancelled:
-                raise HTTPException(status_code=499, detail="the client disconnected") from None
-            finally:
-                done()
-            text = processor.decode(generated_ids, skip_special_tokens=True)
-            return text, len(inputs["input_ids"]), generated_ids
+                await self.submit(engine_trim_stop_string_cache)
+            except Exception:
+                pass
 
-    class KHAGenerationState(GenerationState):
-        def get_manager(self, model_id: str, use_cb: bool = False):
-            if use_cb:
-                if self._cb_manager is None or self._cb_model_id != model_id:
-                    if self._cb_manager is not None:
-                        self._cb_manager.stop()
-                    self._cb_manager = LimitedCBGenerateManager(cb_config=self._cb_config)
-                    self._cb_model_id = model_id
-                return self._cb_manager
-            if model_id not in self._generate_managers:
-                self._generate_managers[model_id] = LimitedGenerateManager()
-            return self._generate_managers[model_id]
+        self.kha_background(trim())
 
-    return KHAGenerationState
+    def for_request(self, request_id: str, deadline: float) -> RequestEngine:
+        return RequestEngine(self, request_id, deadline)
+
+
+class RequestEngine:
+    """A `KHAEngineClient` bound to one request (its id, its deadline): transformers' response builders
+    (`_streaming`, `_non_streaming`) call its `generate_streaming` / `generate_non_streaming`; the rest is the
+    client's."""
+
+    def __init__(self, engine: KHAEngineClient, request_id: str, deadline: float) -> None:
+        self.engine, self.request_id, self.deadline = engine, request_id, deadline
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def _start(self, inputs: dict, generation_kwargs: dict, on_token=None, on_end=None) -> Generation:
+        generation = Generation(self.engine, self.request_id, on_token, on_end)
+        generation.start(inputs, generation_kwargs, self.deadline)
+        if generation_kwargs.get("stop_strings"):
+            generation.outcome.add_done_callback(lambda _: self.engine.trim_stop_string_cache())
+        return generation
+
+    def generate_streaming(self, inputs: dict, generation_kwargs: dict, response_parser=None):
+        """As transformers' `EngineClient.generate_streaming`: (the queue of the answer's items, its streamer)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        processor = self.engine.processor
+        streamer = Stream(getattr(processor, "tokenizer", processor)._tokenizer, queue, response_parser=response_parser)
+
+        def ended(outcome) -> None:
+            if isinstance(outcome, BaseException):
+                queue.put_nowait(_StreamError(engine_error(outcome).message))
+                return
+            if outcome == "cut":
+                if streamer.total_tokens == 0:
+                    queue.put_nowait(_StreamError(WAITED))
+                    return
+                mark_cut(generation_kwargs, streamer.total_tokens)
+            streamer.end()  # the stream ends with its finish_reason (and usage)
+
+        streamer.generation = self._start(inputs, generation_kwargs, streamer.put_token, ended)
+        return queue, streamer
+
+    async def generate_non_streaming(self, inputs: dict, generation_kwargs: dict) -> tuple[str, int, list[int]]:
+        """As transformers' `EngineClient.generate_non_streaming`: (the text, the prompt's length, the tokens)."""
+        generation = self._start(inputs, generation_kwargs)
+        try:
+            outcome = await asyncio.shield(generation.outcome)
+        except asyncio.CancelledError:  # the handler is cancelled: its client left
+            generation.stop(False)
+            raise
+        if isinstance(outcome, BaseException):
+            raise engine_error(outcome)
+        if outcome == "cancelled":
+            raise RequestError(499, "the client disconnected")
+        if outcome == "cut":
+            if not generation.tokens:
+                raise RequestError(503, WAITED, kind="server_error")
+            mark_cut(generation_kwargs, len(generation.tokens))
+        ids = list(generation.tokens)
+        text = self.engine.processor.decode(ids, skip_special_tokens=True)
+        return text, prompt_length(inputs), ids

@@ -1,9 +1,10 @@
 """What stands between a client and transformers' server under `kha serve`: one model, bounded requests.
 
-transformers 5.24's server (`transformers serve`) is built for a trusted local user: `POST /load_model` loads any
-folder or Hub id a client names (with the server's `trust_remote_code`), `POST /reset` unloads the pinned model, a
-request may ask for any number of new tokens and any prompt length, and a non-streamed generation goes on after its
-client has gone. `kha serve` keeps transformers' server and puts this ASGI middleware in front of it:
+transformers' server (`transformers serve`, 5.24 and 5.25) is built for a trusted local user: `POST /load_model`
+loads any folder or Hub id a client names (with the server's `trust_remote_code`), `POST /reset` unloads the pinned
+model, a request may ask for any number of new tokens and any prompt length, and (5.24) a non-streamed generation
+goes on after its client has gone. `kha serve` keeps transformers' server and puts this ASGI middleware in front of
+it:
 
 - **One model.** Only the generation endpoints, `/v1/models` and `/health` are reachable; everything else (model
   loading and unloading included) answers 403/404. A request's `model` may name the served model as the user typed
@@ -15,7 +16,8 @@ client has gone. `kha serve` keeps transformers' server and puts this ASGI middl
   [1, max_new_tokens]. What depends on the loaded model (prompt length against the context, token ids of
   `logit_bias`, sampling settings under continuous batching) is checked by the handlers (`handlers.py`).
 - **Disconnects stop work.** Each request gets a fresh X-Request-ID; when its client disconnects, the request's
-  generation is cancelled (`RequestRegistry`), streamed or not.
+  generation is cancelled (`RequestRegistry`), streamed or not (5.25's own `CancelOnDisconnect` cancels it as well;
+  the guard's stays, as the one that does not depend on transformers' release).
 - **Health that tells the truth.** `/health` answers 503 while a generation (or a prompt's rendering) has been
   running longer than its time limit allows (it is stuck), otherwise transformers' own answer.
 
@@ -163,7 +165,7 @@ class ServeGuard:
                 if stuck > self.limits.request_timeout + 30:
                     raise RequestError(503, f"a generation has been running for {stuck:.0f} s: the server is stuck")
             if path in READ_PATHS and method == "HEAD":
-                # transformers' FastAPI routes take GET only and answer HEAD with 405 (transformers 5.24); load
+                # transformers' FastAPI routes take GET only and answer HEAD with 405 (transformers 5.24, 5.25); load
                 # balancers probe with HEAD, which is GET without the body
                 await self.app({**scope, "method": "GET"}, receive, send)
                 return

@@ -1,19 +1,26 @@
 """`kha serve`: transformers' serving stack (FastAPI + uvicorn, OpenAI-compatible), serving one model safely.
 
-Classes of transformers' server (and uvicorn's config) are swapped for subclasses while `Serve` builds the server
-(and only for that one constructor call, so nothing changes for other code in the process); each works around one
-thing of transformers 5.24:
+transformers' own `Serve` builds and starts the server. While its constructor runs (and only then, so that nothing
+changes for other code in the process), classes of transformers' serving module and of uvicorn are swapped for
+subclasses, each closing one gap of transformers 5.25:
 
-- `ModelManager._load_model` resolves a checkpoint's class as `getattr(transformers, config.architectures[0])`,
-  so remote-code checkpoints (KHA included) fail even with --trust-remote-code. KHA checkpoints (model_type "kha")
-  load through `AutoModelForCausalLM`, where kha_hf registered its classes: their code files never run, and their
-  tokenizer loads without remote code too.
-- `GenerationState` hands out generation managers without request limits: see `generation.py`.
-- The chat, completion and response handlers render templates on the event loop and take a client's
-  `chat_template_kwargs`: see `handlers.py`.
+- `ModelLoader` (`engine.KHAModelLoader`, pickled into the model's process): KHA checkpoints load through the
+  classes kha_hf registered, so their code files never run; 5.25 still resolves a checkpoint's class as
+  `getattr(transformers, config.architectures[0])`.
+- `ModelManager`: hands out `generation.KHAEngineClient`, transformers' client of the model's process with kha
+  serve's limits (context, new tokens, time, disconnects, /health tracking).
+- The chat, completion and response handlers take a client's `chat_template_kwargs`, render on one thread
+  without a time limit, and pass sampling settings on unchecked: see `handlers.py`.
 - `build_server` exposes model loading and unloading to any client and passes any field on: `guard.ServeGuard`
-  (with the allowlists of `fields.py`) is put in front of it.
+  (with the allowlists of `fields.py`) is put in front of it; its errors (`{"detail": ...}`) are answered in
+  OpenAI's error format.
 - `uvicorn.Config` has no read timeout and no connection cap: see `connections.py`.
+- `uvicorn.Server`: 5.25's `Serve` serves until stopped, in its constructor (5.24 had `non_blocking=True`): its
+  `run` starts the server on a thread of its own, so that `start_server` returns a `RunningServer`.
+
+Dropped with 5.25: the swap of `GenerationState`, whose generation managers (5.24's `GenerateManager`,
+`CBGenerateManager`) now run in the model's process, which transformers 5.25 spawns; kha serve's limits moved to
+the API server's side (`generation.py`) and to what it asks of the model's process (`engine.py`).
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import json
+import re
 import socket
+import threading
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -35,6 +44,7 @@ from ..common.loading import (
     check_model_ref,
     check_processor_needs_no_code,
     check_remote_code_allowed,
+    describe_error,
     has_processor_files,
     is_multimodal_checkpoint,
     read_config_dict,
@@ -43,11 +53,11 @@ from .errors import RequestError
 from .guard import RequestRegistry, ServeGuard, ServeLimits, model_aliases
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-# Continuous batching on a CPU. Without numbers, transformers 5.24 sizes its paged KV cache from free *device*
-# memory, which on a CPU is 60-90 % of the machine's RAM, and allocates attention masks of max_batch_tokens x
-# (cache + max_batch_tokens): 13.7 GiB for a 2-layer test model on a 23 GiB machine. On a CPU kha serve asks for
-# 64 blocks of 256 tokens (16,384 tokens of cache; SmolLM2-135M in float32: about 0.7 GiB) and 512 tokens per
-# batch (longer prompts are prefilled in chunks); on a GPU transformers' own sizing stays.
+# Continuous batching on a CPU. Without numbers, transformers sizes its paged KV cache from free *device* memory,
+# which on a CPU is most of the machine's RAM (5.24: 60-90 %, and attention masks of max_batch_tokens x (cache +
+# max_batch_tokens): 13.7 GiB for a 2-layer test model on a 23 GiB machine; 5.25 still takes 60 % of it). On a CPU
+# kha serve asks for 64 blocks of 256 tokens (16,384 tokens of cache; SmolLM2-135M in float32: about 0.7 GiB) and
+# 512 tokens per batch (longer prompts are prefilled in chunks); on a GPU transformers' own sizing stays.
 CPU_CB_NUM_BLOCKS = 64
 CPU_CB_MAX_BATCH_TOKENS = 512
 
@@ -64,50 +74,35 @@ def cb_sizes(device: str, cb_num_blocks: int | None, cb_max_batch_tokens: int | 
     return {"cb_num_blocks": cb_num_blocks, "cb_max_batch_tokens": cb_max_batch_tokens}
 
 
-def kha_model_manager_class():
-    """transformers' ModelManager, except that KHA checkpoints load through kha_hf's registered classes (a
-    multimodal one through AutoModelForImageTextToText, with its processor: chat requests may hold images)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+def kha_model_manager_class(limits: ServeLimits, registry: RequestRegistry):
+    """transformers' ModelManager, whose model (the one it was started with) is followed through a
+    `generation.KHAEngineClient`: kha serve's limits apply to every request."""
     from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import Modality, split_revision
+    from transformers.cli.serving.utils import canonical_model_id
 
-    def is_kha(model_id: str) -> bool:
-        return Path(model_id).is_dir() and (read_config_dict(Path(model_id)) or {}).get("model_type") == "kha"
+    from .generation import KHAEngineClient
 
     class KHAModelManager(ModelManager):
-        def _load_processor(self, model_id_and_revision, gguf_file=None):
-            model_id, revision = split_revision(model_id_and_revision)
-            if gguf_file is None and is_kha(model_id):  # the base model's tokenizer: no code of the folder runs
-                folder = Path(model_id)
-                if is_multimodal_checkpoint(folder) and has_processor_files(folder):
-                    # the base model's processor, also without code (else the tokenizer: a text-only server)
-                    return AutoProcessor.from_pretrained(model_id, revision=revision, trust_remote_code=False)
-                return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=False)
-            return super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
-
-        @staticmethod
-        def get_model_modality(model, processor=None):
-            # transformers 5.24 reads the modality from the class name, which for KHA is KHA<family class>
-            config = model.config
-            if getattr(config, "model_type", None) == "kha" and config.is_multimodal:
-                if hasattr(processor, "image_processor"):
-                    return Modality.VLM  # else a tokenizer alone (no processor files): text only, as transformers
-            return ModelManager.get_model_modality(model, processor=processor)
-
-        def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
-            model_id, revision = split_revision(model_id_and_revision)
-            if gguf_file is not None or not is_kha(model_id):
-                return super()._load_model(model_id_and_revision, tqdm_class, progress_callback, gguf_file)
-            multimodal = is_multimodal_checkpoint(Path(model_id))
-            return (AutoModelForImageTextToText if multimodal else AutoModelForCausalLM).from_pretrained(
+        def preload_engine(self, force_model: str, engine_connection: tuple | None) -> None:
+            # As transformers 5.25's ModelManager.preload_engine, with kha serve's client of the model's process
+            model_id = canonical_model_id(force_model)
+            engine = KHAEngineClient(
                 model_id,
-                revision=revision,
-                attn_implementation=self.attn_implementation,
-                dtype=self.dtype,
-                device_map=self.device,
-                trust_remote_code=False,  # the installed kha_hf classes: the folder's code files do not run
-                tqdm_class=tqdm_class,
+                self.loader,
+                self.generation_state,
+                connection=engine_connection,
+                registry=registry,
+                limits=limits,
             )
+            self.engines[model_id] = engine
+            if engine_connection is None:
+                engine.start()
+
+        def get_engine(self, model: str | None):
+            engine = super().get_engine(model)
+            if not isinstance(engine, KHAEngineClient):  # kha serve serves the model it preloaded, and no other
+                raise RequestError(404, f"model {model!r} is not served here", "model", "model_not_found")
+            return engine
 
     return KHAModelManager
 
@@ -146,24 +141,37 @@ def wait_until_ready(host: str, port: int, timeout: float) -> None:
     raise KHAError(f"the server did not answer on {url} within {timeout:.0f} s")
 
 
-# transformers' serving module is internal and changes between minor releases: 5.25.0 rewrote it (split_revision and
-# the model manager's loaders are gone), so kha serve runs on the releases its subclasses were written and tested for
-SERVING_TRANSFORMERS = ((5, 24), (5, 25))  # [lowest, first unsupported): setup.cfg's range
+# transformers' serving module is internal and changes between minor releases: 5.25.0 rewrote it (the model runs
+# in a process of its own, split_revision and the 5.24 model manager's loaders are gone), so kha serve runs on the
+# release its subclasses were written for and later ones (with a warning: they are untested)
+SERVING_TRANSFORMERS = (5, 25)  # the oldest release kha serve supports: setup.cfg's [serve] extra must admit it
+SERVING_TESTED = (5, 25)  # the newest release kha serve was tested with
+
+
+class UntestedServingWarning(UserWarning):
+    """The installed transformers is newer than any release kha serve was tested with."""
 
 
 def check_serving_transformers(version: str | None = None) -> None:
-    """One-line KHAError unless the installed transformers (or VERSION) is in SERVING_TRANSFORMERS."""
+    """One-line KHAError when the installed transformers (or VERSION) is older than SERVING_TRANSFORMERS; one
+    warning when it is newer than SERVING_TESTED."""
     if version is None:
         import transformers
 
         version = transformers.__version__
-    low, high = SERVING_TRANSFORMERS
-    release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
-    if not low <= release < high:
-        wanted = f"transformers>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    installed = tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:2])
+    if installed < SERVING_TRANSFORMERS:
+        wanted = "transformers>={}.{}".format(*SERVING_TRANSFORMERS)
         raise KHAError(
-            f"kha serve needs {wanted} (its serving module changes between releases); installed: {version}: "
+            f"kha serve needs {wanted} (transformers' serving module changes between releases); installed: {version}: "
             f"pip install '{wanted}'"
+        )
+    if installed > SERVING_TESTED:
+        warnings.warn(
+            "kha serve is tested with transformers {}.{}; {} is newer and its serving module may have changed: please "
+            "report what breaks".format(*SERVING_TESTED, version),
+            UntestedServingWarning,
+            stacklevel=2,
         )
 
 
@@ -214,6 +222,50 @@ def check_serve_inputs(
     return str(path.resolve())
 
 
+class RunningServer:
+    """A `kha serve` server running in this process: transformers' `Serve` (`serve`), its uvicorn server (`server`)
+    on a thread of its own (`thread`), the model in a process of its own (`model_manager`), the requests in flight
+    (`kha_registry`: tests and monitoring read it). `kill_server()` stops it all."""
+
+    def __init__(self, serve, server, thread: threading.Thread, model_manager, registry: RequestRegistry) -> None:
+        self.serve, self.server, self.thread = serve, server, thread
+        self.model_manager, self.kha_registry = model_manager, registry
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def kill_server(self, timeout: float = 10) -> None:
+        """Stop serving (requests in flight end first, for TIMEOUT seconds at most) and the model's process."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.server.force_exit = True
+            self.thread.join(timeout)
+        self.model_manager.shutdown()  # the app's shutdown did it already, unless it never ran
+
+
+def background_server_class(built: dict):
+    """uvicorn.Server, whose `run` serves on a thread of its own (kept in BUILT, as is the server) and returns."""
+    import uvicorn
+
+    class BackgroundServer(uvicorn.Server):
+        def run(self, sockets=None) -> None:
+            thread = threading.Thread(target=super().run, kwargs={"sockets": sockets}, name="kha-serve", daemon=True)
+            built.update(server=self, thread=thread)
+            thread.start()
+
+    return BackgroundServer
+
+
+def openai_error(status: int, message, kind: str | None = None):
+    """A JSON response in OpenAI's error format."""
+    from fastapi.responses import Response
+
+    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+    error = RequestError(status, str(message)[:1000], kind=kind)
+    return Response(error.body(), status_code=status, media_type="application/json")
+
+
 def start_server(
     model: str,
     host: str = "127.0.0.1",
@@ -226,13 +278,16 @@ def start_server(
     limits: ServeLimits | None = None,
     cb_num_blocks: int | None = None,
     cb_max_batch_tokens: int | None = None,
-):
-    """Load MODEL and start transformers' server on HOST:PORT in a background thread; returns the `Serve` object
-    (its `kill_server()` stops it). Blocks until /health answers. Only MODEL is ever served (see `guard.py`).
+) -> RunningServer:
+    """Load MODEL and start transformers' server on HOST:PORT in a background thread (the model in a process of its
+    own); returns a `RunningServer` (its `kill_server()` stops it). Blocks until /health answers. Only MODEL is ever
+    served (see `guard.py`).
 
     CB_NUM_BLOCKS (blocks of 256 tokens) and CB_MAX_BATCH_TOKENS size continuous batching's paged KV cache and its
-    batches (defaults: see `cb_sizes`)."""
-    from transformers.cli import serve as serve_module
+    batches (defaults: see `cb_sizes`).
+
+    transformers (>= 5.25) spawns the model's process, which imports the caller's main module again: a script that
+    calls this must do so under `if __name__ == "__main__":`."""
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():
@@ -240,12 +295,14 @@ def start_server(
     check_serving_transformers()
     import uvicorn
     from fastapi.responses import Response
+    from starlette.exceptions import HTTPException
+    from transformers.cli import serve as serve_module
     from transformers.cli.serving import chat_completion, completion, model_manager, response
     from transformers.cli.serving import server as server_module
-    from transformers.cli.serving import utils as serving_utils
+    from transformers.cli.serving.utils import EngineDeadError
 
     from .connections import kha_uvicorn_config_class
-    from .generation import kha_generation_state_class
+    from .engine import KHAModelLoader
     from .handlers import kha_handler_classes
 
     limits = limits or ServeLimits()
@@ -256,20 +313,32 @@ def start_server(
     if folder.is_dir() and is_multimodal_checkpoint(folder) and has_processor_files(folder):
         limits = dataclasses.replace(limits, images=True)  # chat messages may carry images for its processor
     registry = RequestRegistry()
+    built: dict = {}  # what transformers builds, for the RunningServer
     build_server = server_module.build_server
 
-    def guarded_build_server(*args, **kwargs):
-        app = build_server(*args, **kwargs)
+    def guarded_build_server(manager, *args, **kwargs):
+        app = build_server(manager, *args, **kwargs)
+        built["model_manager"] = manager
 
-        async def request_error(_request, err: RequestError):  # a handler's refusal, in OpenAI's error format
+        async def request_error(_request, err: RequestError):  # a refusal of kha serve's own
             return Response(err.body(), status_code=err.status, media_type="application/json")
 
-        app.add_exception_handler(RequestError, request_error)
+        async def bad_request(_request, err: ValueError):  # transformers: the request's fault ({"detail"} in 5.25)
+            return openai_error(400, err)
+
+        async def engine_dead(_request, err: EngineDeadError):  # transformers: 503 {"error": ...} in 5.25
+            return openai_error(503, f"the model's process died: {err}", "server_error")
+
+        async def http_error(_request, err: HTTPException):  # FastAPI answers {"detail": ...}
+            return openai_error(err.status_code, err.detail)
 
         async def server_error(_request, _err: Exception):  # an unexpected failure: JSON too, the traceback is logged
-            error = {"message": "the model failed on this request (see the server log)", "type": "server_error"}
-            return Response(json.dumps({"error": error}), status_code=500, media_type="application/json")
+            return openai_error(500, "the model failed on this request (see the server log)", "server_error")
 
+        app.add_exception_handler(RequestError, request_error)
+        app.add_exception_handler(ValueError, bad_request)
+        app.add_exception_handler(EngineDeadError, engine_dead)
+        app.add_exception_handler(HTTPException, http_error)
         app.add_exception_handler(Exception, server_error)
         app.add_middleware(
             ServeGuard, served=served, aliases=model_aliases(str(model), served), limits=limits, registry=registry
@@ -277,39 +346,50 @@ def start_server(
         return app
 
     handlers = kha_handler_classes(limits, registry)
-    with (
-        mock.patch.object(model_manager, "ModelManager", kha_model_manager_class()),
-        mock.patch.object(serving_utils, "GenerationState", kha_generation_state_class(limits, registry)),
-        mock.patch.object(chat_completion, "ChatCompletionHandler", handlers["ChatCompletionHandler"]),
-        mock.patch.object(completion, "CompletionHandler", handlers["CompletionHandler"]),
-        mock.patch.object(response, "ResponseHandler", handlers["ResponseHandler"]),
-        mock.patch.object(server_module, "build_server", guarded_build_server),
-        mock.patch.object(uvicorn, "Config", kha_uvicorn_config_class(limits.read_timeout, limits.max_connections)),
-    ):
-        server = serve_module.Serve(
-            force_model=served,
-            continuous_batching=continuous_batching,
-            **(cb_sizes(device, **cache_sizes) if continuous_batching else {}),
-            device=device,
-            dtype=dtype,
-            trust_remote_code=trust_remote_code,
-            host=host,
-            port=port,
-            non_blocking=True,
-        )
-    server.kha_registry = registry  # the requests in flight (tests and monitoring read it)
-    wait_until_ready(host, port, ready_timeout)
-    return server
+    try:
+        with (
+            mock.patch.object(model_manager, "ModelLoader", KHAModelLoader),
+            mock.patch.object(model_manager, "ModelManager", kha_model_manager_class(limits, registry)),
+            mock.patch.object(chat_completion, "ChatCompletionHandler", handlers["ChatCompletionHandler"]),
+            mock.patch.object(completion, "CompletionHandler", handlers["CompletionHandler"]),
+            mock.patch.object(response, "ResponseHandler", handlers["ResponseHandler"]),
+            mock.patch.object(server_module, "build_server", guarded_build_server),
+            mock.patch.object(uvicorn, "Config", kha_uvicorn_config_class(limits.read_timeout, limits.max_connections)),
+            mock.patch.object(uvicorn, "Server", background_server_class(built)),
+        ):
+            serve = serve_module.Serve(
+                force_model=served,
+                continuous_batching=continuous_batching,
+                **(cb_sizes(device, **cache_sizes) if continuous_batching else {}),
+                device=device,
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
+                host=host,
+                port=port,
+            )
+    except RuntimeError as err:  # the model's process failed to load the model (its log says why)
+        if "model_manager" in built:
+            built["model_manager"].shutdown()
+        raise KHAError(f"the server did not start: {describe_error(err)}") from err
+    running = RunningServer(serve, built["server"], built["thread"], built["model_manager"], registry)
+    try:
+        wait_until_ready(host, port, ready_timeout)
+    except BaseException:
+        running.kill_server()
+        raise
+    return running
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
-    """Serve MODEL until interrupted (Ctrl-C / SIGTERM)."""
+    """Serve MODEL until interrupted (Ctrl-C / SIGTERM) or until the model's process dies."""
     server = start_server(model, host=host, port=port, **kwargs)
     print(f"serving {model} at http://{host}:{port}/v1 (OpenAI-compatible: /v1/chat/completions, /v1/completions)")
     try:
-        while server._thread.is_alive():
-            server._thread.join(timeout=1)
+        while server.is_alive():
+            server.thread.join(timeout=1)
     except KeyboardInterrupt:
         print("stopping the server")
     finally:
         server.kill_server()
+    if server.model_manager.is_dead:
+        raise KHAError("the model's process died (see the log above): the server stopped")

@@ -193,14 +193,26 @@ def greedy(folder, messages=None, prompt=None, new_tokens: int = 6) -> str:
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
+def streamed(stream: bool) -> dict:
+    """The fields of a request that streams (or not), the usage included (transformers >= 5.25, as OpenAI, sends it
+    in a last chunk of its own when asked)."""
+    return {"stream": True, "stream_options": {"include_usage": True}} if stream else {"stream": False}
+
+
 def finish_and_tokens(response: requests.Response, stream: bool) -> tuple[str, int]:
-    """The reply's finish_reason and completion tokens, streamed (the last SSE chunk says both) or not."""
+    """The reply's finish_reason and completion tokens, streamed (asked with `streamed(True)`: the last chunk with a
+    choice says the first, the usage chunk the second) or not."""
     if not stream:
         reply = response.json()
         return reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]
     chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
-    last = chunks[-1]
-    return last["choices"][0]["finish_reason"], last["usage"]["completion_tokens"]
+    [finish] = [
+        chunk["choices"][0]["finish_reason"]
+        for chunk in chunks
+        if (chunk.get("choices") or [{}])[0].get("finish_reason")
+    ]
+    [usage] = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
+    return finish, usage["completion_tokens"]
 
 
 # ---------------------------------------------------------------- the allowlist: every field, every endpoint
@@ -370,7 +382,7 @@ def test_stop_lists_are_capped_by_count_and_length(hostile):
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_a_generation_cut_by_the_time_limit_ends_with_finish_reason_length(hostile, path, stream):
     base, _, _ = hostile
-    body = {"max_tokens": LIMIT, "temperature": 0, "stream": stream}
+    body = {"max_tokens": LIMIT, "temperature": 0, **streamed(stream)}
     body.update({"prompt": "the"} if path == COMPLETIONS else {"messages": MESSAGES})
     start = time.monotonic()
     response = post(base, path, body, timeout=120)
@@ -456,7 +468,7 @@ def test_connections_over_the_cap_are_refused_at_once_and_the_server_stays_live(
 @pytest.mark.parametrize("stream", [False, True])
 def test_continuous_batching_honours_the_request_timeout(batching, stream):
     base, server, _ = batching
-    body = {"prompt": "the", "max_tokens": 8000, "temperature": 0, "stream": stream}
+    body = {"prompt": "the", "max_tokens": 8000, "temperature": 0, **streamed(stream)}
     start = time.monotonic()
     response = post(base, COMPLETIONS, body, timeout=120)
     assert response.status_code == 200, response.text
@@ -487,6 +499,25 @@ def test_continuous_batching_cuts_a_request_to_its_cache(batching):
     assert_live(base)
 
 
+def test_continuous_batching_admits_requests_after_cut_ones_outgrew_its_cache(batching):
+    """Two requests that together outgrow the paged cache make transformers 5.25's batch offload one and admit no new
+    request until a request finishes; cut by their time limit, they never finish, and every later request waited
+    for good (503): kha serve lets the batch admit again once the cut ones are gone."""
+    base, _, folder = batching
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = ["the quick " * 80, "over the lazy dog " * 53]
+    lengths = [len(tokenizer(prompt).input_ids) for prompt in prompts]
+    assert sum(lengths) < CB_BLOCKS * 256 < sum(lengths) + 600, lengths  # both fit in the cache, their answers not
+
+    def send(prompt):
+        return post(base, COMPLETIONS, {"prompt": prompt, "max_tokens": 8000})
+
+    with ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(send, prompts))
+    assert all(response.status_code in (200, 503) for response in responses), [r.text for r in responses]
+    assert_live(base)
+
+
 def test_continuous_batching_tracks_its_generations_for_health(batching):
     base, server, _ = batching
     body = {"prompt": "the", "max_tokens": 8000, "temperature": 0, "stream": True}
@@ -500,14 +531,11 @@ def test_continuous_batching_tracks_its_generations_for_health(batching):
         assert requests.get(f"{base}/health", timeout=30).status_code == 200  # within its time limit
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("logit_bias", {"70": 100}), ("temperature", 0.7), ("top_p", 0.5), ("frequency_penalty", 0.5), ("stop", ["x"])],
-)
+@pytest.mark.parametrize(("field", "value"), [("logit_bias", {"70": 100}), ("frequency_penalty", 0.5), ("stop", ["x"])])
 def test_continuous_batching_refuses_per_request_settings_it_cannot_keep_to_the_request(batching, field, value):
     """transformers 5.24 built its batch manager from the first request's settings and applied them to every
-    later client (a logit_bias made everyone's replies 'ffff'): such settings now get 400, and the next client
-    gets the model's own greedy reply."""
+    later client (a logit_bias made everyone's replies 'ffff'); 5.25 still applies these to the whole batch: they
+    get 400, and the next client gets the model's own greedy reply."""
     base, _, folder = batching
     body = {"messages": MESSAGES, "max_tokens": 6}  # the model's generation config decodes greedily
     response = post(base, CHAT, {**body, field: value})
@@ -516,6 +544,47 @@ def test_continuous_batching_refuses_per_request_settings_it_cannot_keep_to_the_
     plain = post(base, CHAT, body)
     assert plain.status_code == 200, plain.text
     assert plain.json()["choices"][0]["message"]["content"] == greedy(folder, messages=MESSAGES)
+
+
+def _texts(lines) -> str:
+    """The text of the completion chunks among LINES (of an SSE stream)."""
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    return "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk.get("choices"))
+
+
+def test_continuous_batching_keeps_each_request_s_temperature_and_top_p_to_itself(batching):
+    """transformers 5.25 lets each request of a batch set its own temperature and top_p (kha serve refused them
+    with 5.24, which sampled every request with the first one's): a greedy request gets the same tokens alone and
+    while requests at temperature 2 share its batches, whose own tokens are sampled; a top_p that keeps one token
+    makes a request at temperature 2 greedy again; a seed while sampling is still refused (one random generator)."""
+    base, _, folder = batching
+    new_tokens = 24
+    expected = greedy(folder, prompt="the quick", new_tokens=new_tokens)
+    plain = {"prompt": "the quick", "max_tokens": new_tokens, "temperature": 0}
+    alone = post(base, COMPLETIONS, plain)
+    assert alone.status_code == 200, alone.text
+    assert alone.json()["choices"][0]["text"] == expected
+    hot = {"prompt": "the quick", "max_tokens": 4000, "temperature": 2.0, "stream": True}  # cut by the time limit
+    streams = [requests.post(f"{base}{COMPLETIONS}", json=hot, stream=True, timeout=(10, 60)) for _ in range(2)]
+    try:
+        for stream in streams:
+            assert stream.status_code == 200, stream.text
+        lines = [stream.iter_lines(decode_unicode=True) for stream in streams]
+        firsts = [next(line for line in stream_lines if line) for stream_lines in lines]  # the hot requests generate
+        beside = post(base, COMPLETIONS, plain)
+        hot_texts = [_texts([first, *rest]) for first, rest in zip(firsts, lines, strict=True)]
+    finally:
+        for stream in streams:
+            stream.close()
+    assert beside.status_code == 200, beside.text
+    assert beside.json()["choices"][0]["text"] == expected
+    assert all(text and not text.startswith(expected) for text in hot_texts), hot_texts  # sampled, not greedy
+    narrow = post(base, COMPLETIONS, {**plain, "temperature": 2.0, "top_p": 1e-6})
+    assert narrow.status_code == 200, narrow.text
+    assert narrow.json()["choices"][0]["text"] == expected
+    seeded = post(base, COMPLETIONS, {**plain, "temperature": 0.7, "seed": 1})
+    assert seeded.status_code == 400 and error_param(seeded) == "seed", seeded.text
+    assert_live(base)
 
 
 def test_continuous_batching_accepts_settings_equal_to_the_servers(batching):
