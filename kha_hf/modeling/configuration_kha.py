@@ -303,7 +303,9 @@ class KHAConfig(PreTrainedConfig):
             wanted = resolve_knock_preset(preset)
             given = (self.knock_q, self.knock_k, self.knock_v)
             defaults = ("none", "none", "mlp")  # the fields' defaults: a value other than these was given
-            clash = [f"knock_{t}={g!r}" for t, g, d, w in zip("qkv", given, defaults, wanted, strict=True) if g not in (d, w)]
+            clash = [
+                f"knock_{t}={g!r}" for t, g, d, w in zip("qkv", given, defaults, wanted, strict=True) if g not in (d, w)
+            ]
             if clash:
                 raise ValueError(
                     f"knock={preset!r} means knock_q/k/v = {'/'.join(wanted)}, but {', '.join(clash)} was given too: "
