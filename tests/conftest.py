@@ -3,6 +3,7 @@
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -34,6 +35,41 @@ def pytest_configure(config):
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="kha-tests-torchinductor-")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+
+
+# The contributor's fast tier is `pytest -m "not slow"` (README): these modules and tests are marked slow as a whole,
+# besides the real-model tests marked in their files. They are what the durations of a full run put first: real
+# models, transformers' own common tests, vLLM and llama.cpp environments, servers, training runs and A/Bs,
+# subprocesses that start a fresh interpreter (remote code, distributed runs), benchmarks. CI runs them all.
+SLOW_PATHS = (
+    "tests/benchmarks/",
+    "tests/vllm/",
+    "tests/gguf/",
+    "tests/workflows/",
+    "tests/serving/",
+    "tests/training/",
+    "tests/modeling/test_transformers_common.py",
+    "tests/modeling/test_multimodal_common.py",
+    "tests/modeling/test_engine_readiness.py",
+    "tests/modeling/test_backends.py",
+    "tests/modeling/test_remote_code.py",
+    "tests/modeling/test_old_checkpoints.py",
+    "tests/modeling/test_pipeline.py",
+    "tests/cli/test_bad_input_eval_backend.py",
+    "tests/cli/test_file_size_limit_round5.py",
+    "tests/peft/test_eval_adapter.py",
+    "tests/peft/test_trl.py",
+    "tests/eval/test_eval.py",
+)
+SLOW_NAMES = ("remote_code", "fresh_process", "without_kha_hf", "permutation_test_memory", "unreachable_hub")
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parents[1]
+    for item in items:
+        where = Path(str(item.path)).resolve().relative_to(root).as_posix()
+        if where.startswith(SLOW_PATHS) or any(name in item.name for name in SLOW_NAMES):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_unconfigure(config):
