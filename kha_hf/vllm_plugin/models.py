@@ -33,9 +33,9 @@ from vllm.model_executor.models.transformers import (
     TransformersMultiModalMoEForCausalLM,
 )
 
-from ..modeling.families import family_spec, segment_rows
+from ..modeling.families import MLA, family_spec, segment_rows
 from ..modeling.knocks import fold_projection
-from . import value_fold
+from . import TAG, value_fold
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -112,9 +112,19 @@ class LinearKnockFolder:
     """Folds the linear knocks of CONFIG (a KHAConfig) into the projections of the layers at SITES (attention
     module path -> layer index) while the checkpoint's tensors stream past."""
 
-    def __init__(self, config, sites: dict[str, int], site=value_fold.plain_site, parameter=lambda name: name) -> None:
+    def __init__(
+        self,
+        config,
+        sites: dict[str, int],
+        site=value_fold.plain_site,
+        parameter=lambda name: name,
+        present: dict[str, set[str]] | None = None,
+    ) -> None:
         self.config = config
         self.sites = sites
+        # site -> the projections its attention module has (MLA: q_proj without q-LoRA, q_b_proj with it; the layout
+        # names both); None: every projection of the layout
+        self.present = present
         self.site = site  # a checkpoint module path -> its path in vLLM's HF body
         self.parameter = parameter  # a checkpoint tensor name -> the vLLM parameter it loads into (None: dropped)
         self.linear = [t for t in TARGETS if getattr(config, f"knock_{t}") == "linear"]
@@ -208,7 +218,8 @@ class LinearKnockFolder:
         # every knocked layer's projections must have come by and been folded: a checkpoint whose names this folder
         # cannot place (or that lacks a layer) would otherwise serve the base model's projections without a word
         for site, layer in self.sites.items():
-            for projection in (p for p, targets in self.rows.items() if targets):
+            has = self.rows if self.present is None else self.present[site]
+            for projection in (p for p, targets in self.rows.items() if targets and p in has):
                 if (site, projection) not in self.folded:
                     raise ValueError(
                         f"KHA checkpoint refused: no {projection} weight of layer {layer} ({site}) reached the linear "
@@ -227,6 +238,24 @@ def _lora_enabled(vllm_config) -> bool:
     return getattr(vllm_config, "lora_config", None) is not None
 
 
+def _unwrapped_init(cls: type) -> None:
+    """Give CLS (a KHA decoder body, `KHAGraniteModel`) its family's own `__init__` before vLLM wraps it.
+
+    vLLM's `support_torch_compile` wraps, in place, the `__init__` it finds on the decoder class it is given. A KHA
+    body inherits its family's: once vLLM has wrapped the family's class (its stock model served earlier in the same
+    process), wrapping the KHA class wraps that wrapper, whose check of the positional arguments fails on its own
+    `self: _T` annotation ("isinstance() arg 2 must be a type": every family, found by the per-family test, which
+    serves the stock model and then the KHA model in one process). The wrapper keeps the function it wraps in its
+    closure as `old_init`."""
+    if "__init__" in vars(cls):  # ours, or vLLM's wrapper from an earlier model of this family: vLLM skips it
+        return
+    init = inherited = cls.__init__
+    while (code := getattr(init, "__code__", None)) is not None and "old_init" in code.co_freevars:
+        init = init.__closure__[code.co_freevars.index("old_init")].cell_contents
+    if init is not inherited:
+        cls.__init__ = init
+
+
 class _KHALoading:
     """Shared by the dense, MoE and multimodal classes: build without linear knocks, fold them in while loading.
     A multimodal model's knocks are its text decoder's (`KHAConfig.knock_config`); its vision tower is vLLM's
@@ -238,9 +267,16 @@ class _KHALoading:
         try:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         except Exception as err:  # one line that names the family; vLLM prints the chain above it
+            reason = " ".join(str(err).split()) or type(err).__name__
             raise ValueError(
-                f"kha-hf-vllm: vLLM cannot run this KHA model of the {top.base_model_type} family: {err}"
+                f"{TAG}: vLLM cannot run this KHA model of the {top.base_model_type} family: {reason}"
             ) from err
+        # Granite divides its logits by `logits_scaling` (GraniteForCausalLM.forward); vLLM's Transformers backend
+        # runs the HF body only and scales its logits by Cohere's `logit_scale` alone, so without this the logits
+        # were `logits_scaling` times too large (greedy tokens unchanged; log-probabilities 0.3 to 3 apart). The
+        # same division as transformers', after vLLM's own scale and soft cap (a family has at most one of them).
+        scaling = getattr(self.text_config, "logits_scaling", None)
+        self._kha_logits_scaling = None if scaling in (None, 1, 1.0) else float(scaling)
         site = value_fold.mapped_site(self.hf_to_vllm_mapper)
         sites = {
             path: int(match.group(1))
@@ -253,7 +289,9 @@ class _KHALoading:
         # fold changes (the knock acts on the projection's output, LoRA term included; the folded o_proj would
         # meet a LoRA term computed on unknocked features)
         lora = _lora_enabled(vllm_config)
-        self._kha_folder = LinearKnockFolder(config, {} if lora else sites, site, self.hf_to_vllm_mapper.map_name)
+        present = {p: set(self.model.get_submodule(p)._kha_plans) for p in sites}  # the projections each layer has
+        mapper = self.hf_to_vllm_mapper.map_name
+        self._kha_folder = LinearKnockFolder(config, {} if lora else sites, site, mapper, present)
         # MLP value knocks: the down map folded into o_proj where the layer allows it (value_fold), else GLUKnock
         quantized = vllm_config.quant_config is not None
         value_sites = {
@@ -264,9 +302,18 @@ class _KHALoading:
         self._kha_value_folder = value_fold.ValueKnockFolder(value_sites, config.kha_head_dim, site)
         others = {p: i for p, i in sites.items() if p not in value_sites}
         self._kha_mlp_knocks = MLPKnockCapture(config, others, site)
+        if family_spec(config.base_model_type).layout is MLA and not vllm_config.model_config.use_mla:
+            # vLLM recognises MLA by the config's model_type (deepseek_v3, ...), which for KHA is "kha": exact (the
+            # per-family test), but each layer caches full keys and values, not the latent
+            logger.warning(
+                "%s: this %s model runs as ordinary attention, without vLLM's MLA kernels and latent KV cache",
+                TAG,
+                config.base_model_type,
+            )
         folded = ", ".join(self._kha_folder.linear) or "none"
         logger.info(
-            "kha-hf-vllm: %s (%s base; knocks q %s, k %s, v %s; linear knocks folded into the projections: %s)",
+            "%s: %s (%s base; knocks q %s, k %s, v %s; linear knocks folded into the projections: %s)",
+            TAG,
             type(self).__name__,
             config.base_model_type if config is top else f"{top.base_model_type} with a {config.base_model_type}",
             config.knock_q,
@@ -275,13 +322,23 @@ class _KHALoading:
             folded,
         )
 
+    def _decorate_cls_for_torch_compile(self, cls: type, *args, **kwargs) -> None:
+        _unwrapped_init(cls)
+        super()._decorate_cls_for_torch_compile(cls, *args, **kwargs)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden_states)
+        if logits is not None and self._kha_logits_scaling is not None:
+            logits = logits / self._kha_logits_scaling
+        return logits
+
     def _patch_config(self) -> None:
         """Before the HF model is built: a copy of the config whose linear knocks are 'none', so the model vLLM
         traces, fuses and runs is the base family's graph in those places (the checkpoint's knocks are folded into
         the projections instead, `load_weights`). vLLM's own `model_config.hf_config` stays as it was."""
         super()._patch_config()
         if _lora_enabled(self.vllm_config):
-            logger.info("kha-hf-vllm: LoRA is enabled, so no knock is folded into the projections")
+            logger.info("%s: LoRA is enabled, so no knock is folded into the projections", TAG)
         elif any(getattr(self.config, f"knock_{t}") == "linear" for t in TARGETS):
             config = copy.deepcopy(self.config)
             for target in TARGETS:
@@ -296,12 +353,10 @@ class _KHALoading:
         # the MLP knocks' parameters were loaded before their modules are swapped for GLUKnocks / GatedUpKnocks here
         swapped = self._kha_mlp_knocks.install(self.model)
         if swapped:
-            logger.info("kha-hf-vllm: %d MLP knocks run as up+gate matmul, glu, down matmul", swapped)
+            logger.info("%s: %d MLP knocks run as up+gate matmul, glu, down matmul", TAG, swapped)
         folded = self._kha_value_folder.install(self.model)
         if folded:
-            logger.info(
-                "kha-hf-vllm: %d MLP value knocks run as up+gate matmul and glu, down folded into o_proj", folded
-            )
+            logger.info("%s: %d MLP value knocks run as up+gate matmul and glu, down folded into o_proj", TAG, folded)
         return loaded
 
 

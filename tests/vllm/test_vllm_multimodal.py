@@ -1,6 +1,6 @@
 """A multimodal KHA model (tiny Gemma 3 with its processor) in vLLM's Transformers backend, with an image prompt.
 
-Two routes, as for text models: with the kha-hf-vllm plugin, `LLM(model=DIR)` and nothing else (the folder's code
+Two routes, as for text models: with kha-hf's vLLM plugin, `LLM(model=DIR)` and nothing else (the folder's code
 poisoned, so none of it runs), and without it, `model_impl="transformers", trust_remote_code=True`.
 
 The reference is the stock model in the same backend (vLLM 0.32), not transformers' `generate`: for an image prompt
@@ -106,7 +106,7 @@ def runs(folders, vllm_env, vllm_plugin, tmp_path_factory):
             },
         ),
         tmp_path_factory.mktemp("job-plugin"),
-        env=with_plugin(vllm_plugin),
+        env=with_plugin(),
     )
     without = run_worker(
         vllm_env,
@@ -142,7 +142,7 @@ def test_plugin_linear_knocks_equal_their_fold(folders, runs):
     assert tokens["linear_qkv"][1] == expected["linear_qkv"], "the text prompt's tokens differ from transformers'"
     assert tokens["linear_qkv"][0] != tokens["stock"][0], "the knocks do not change the image prompt's tokens"
     line = "(gemma3 with a gemma3_text base; knocks q linear, k linear, v linear; linear knocks folded into the "
-    assert "kha-hf-vllm: KHAForConditionalGeneration " + line in log
+    assert "kha-hf plugin: KHAForConditionalGeneration " + line in log
 
 
 def test_plugin_mlp_knocks_equal_remote_code(folders, runs):
@@ -152,14 +152,14 @@ def test_plugin_mlp_knocks_equal_remote_code(folders, runs):
     assert tokens["mlp_v"][1] == expected["mlp_v"], "the text prompt's tokens differ from transformers'"
     assert tokens["mlp_v"][0] != tokens["stock"][0], "the knocks do not change the image prompt's tokens"
     layers = 3  # every text layer: its MLP value knock's down map went into o_proj
-    assert log.count(f"kha-hf-vllm: {layers} MLP value knocks run as up+gate matmul and glu") == 2  # mlp_v, identity
+    assert log.count(f"kha-hf plugin: {layers} MLP value knocks run as up+gate matmul and glu") == 2  # mlp_v, identity
     assert "checkpoint folder's code was executed" not in log
 
 
 def test_without_the_plugin_remote_code_takes_the_multimodal_backend(runs):
     _, _, log = runs
     assert "Resolved architecture: TransformersMultiModalForCausalLM" in log, log[-3000:]
-    assert "kha-hf-vllm" not in log
+    assert "kha-hf plugin" not in log
 
 
 def test_plugin_refuses_an_unfolded_fused_projection_beside_the_folded_ones(runs):

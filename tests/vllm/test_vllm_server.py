@@ -45,7 +45,7 @@ def vllm_server(vllm_env, kha_folder, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HOME": str(log.parent / "hf")}
-    env["VLLM_PLUGINS"] = WITHOUT_PLUGIN  # the remote-code route, as without kha-hf-vllm (test_vllm_plugin.py: with)
+    env["VLLM_PLUGINS"] = WITHOUT_PLUGIN  # the remote-code route, without kha-hf's plugin (test_vllm_plugin.py: with)
     env.pop("HF_MODULES_CACHE", None)
     command = [
         str(vllm_env),

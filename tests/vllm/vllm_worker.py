@@ -1,11 +1,12 @@
-"""Runs inside the vLLM environment (scripts/install.sh vllm): vLLM's Python API, no kha_hf.
+"""Runs inside the vLLM environment (scripts/install.sh vllm): vLLM's Python API; kha_hf only through its plugin.
 
     python vllm_worker.py JOB.json RESULT.json
 
 JOB: {"mode": "generate" | "multimodal" | "throughput" | "remote_code", ...}; the result is written as JSON. KHA
 checkpoints load the way any vLLM user loads them: `LLM(model=DIR, model_impl="transformers",
-trust_remote_code=True)` without the kha-hf-vllm plugin, or, with it, `LLM(model=DIR)` (a model entry with "impl":
-null, "trust_remote_code": false).
+trust_remote_code=True)` without kha-hf's plugin, or, with it, `LLM(model=DIR)` (a model entry with "impl": null,
+"trust_remote_code": false). kha-hf is installed in that environment; unless VLLM_PLUGINS names its plugin (kha),
+this process cannot import kha_hf at all, so the remote-code route runs as for a user without kha-hf.
 Used by tests/vllm/ and benchmarks/vllm_throughput.py.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -223,6 +225,8 @@ def remote_code(job: dict) -> dict:
 
 
 if __name__ == "__main__":
+    if "kha" not in os.environ.get("VLLM_PLUGINS", "kha").split(","):  # vLLM's allow-list: unset runs every plugin
+        sys.modules["kha_hf"] = None  # unimportable, even from the editable install
     job = json.loads(open(sys.argv[1]).read())
     modes = {"generate": generate, "multimodal": multimodal, "throughput": throughput, "remote_code": remote_code}
     result = modes[job["mode"]](job)
