@@ -49,7 +49,12 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from ..common.loading import check_hub_repo_id, check_processor_needs_no_code, check_tokenizer_needs_no_code
+    from ..common.loading import (
+        check_hub_repo_id,
+        check_processor_bounds,
+        check_processor_needs_no_code,
+        check_tokenizer_needs_no_code,
+    )
     from ..conversion import convert
     from ..peft.adapter_files import read_knock_adapter
 
@@ -58,6 +63,7 @@ def run(args) -> int:
     if Path(args.src).expanduser().is_dir():
         check_tokenizer_needs_no_code(Path(args.src).expanduser())  # a KHA folder never runs tokenizer code
         check_processor_needs_no_code(Path(args.src).expanduser())  # ... nor processor code
+        check_processor_bounds(Path(args.src).expanduser())  # ... nor one that resizes an image to gigabytes
 
     result = convert(
         args.src,

@@ -7,6 +7,7 @@ folder's code files are only compared with the installed ones, to say when they 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -309,6 +310,86 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 def has_processor_files(folder: Path) -> bool:
     """True when FOLDER holds an image processor's config (a multimodal checkpoint can then take images)."""
     return any((folder / name).is_file() for name in PROCESSOR_FILES)
+
+
+# Bounds on what a processor's JSON may ask of one image (`check_processor_bounds`). Every released processor fits
+# them: resize targets are at most a few thousand pixels a side (Gemma 3 896, Llama 4 336, Idefics3 1456, Pixtral
+# 1024, Mistral 3 1540), pixel budgets at most 4096 x 4096 (Qwen2-VL and Qwen2.5-VL max_pixels 12,845,056 = 3584^2,
+# Qwen3-VL's size.longest_edge 16,777,216 = 4096^2, GLM-4V 9,633,792), crops and tiles a few dozen (Gemma 3
+# pan_and_scan_max_num_crops 4, Mllama max_image_tiles 4, InternVL max_dynamic_patch 12, Phi-4-MM dynamic_hd 36),
+# patches a few thousand (Pix2Struct max_patches 2048, SigLIP 2 max_num_patches 256). A 28 x 28 PNG resized to
+# 20000 x 20000 takes gigabytes: such a processor is refused before anything loads.
+MAX_PROCESSOR_SIDE = 4096
+MAX_PROCESSOR_PIXELS = 4096 * 4096
+MAX_PROCESSOR_CROPS = 64
+MAX_PROCESSOR_PATCHES = 16384
+PROCESSOR_CROP_KEYS = (
+    "pan_and_scan_max_num_crops", "max_image_tiles", "max_num_tiles", "max_dynamic_patch", "max_crops",
+    "max_num_crops", "dynamic_hd",
+)  # fmt: skip
+PROCESSOR_PATCH_KEYS = ("max_patches", "max_num_patches")
+SIDE_KEYS = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_width")
+# image processors whose size.shortest_edge / longest_edge count pixels, not a side (Qwen-VL, GLM-4V and kin)
+PIXEL_SIZE_CLASSES = re.compile(r"qwen|glm|keye|paddleocr", re.IGNORECASE)
+
+
+def check_processor_bounds(folder: Path) -> None:
+    """One-line KHAError when FOLDER's processor (processor_config.json / preprocessor_config.json) would resize an
+    image past the bounds above (a side, a pixel budget, a number of crops, tiles or patches): one small image would
+    otherwise cost the server gigabytes. Read from the JSON only; videos (video_processor) are not served."""
+    config_dict = read_config_dict(folder) or {}
+    model_types = " ".join(str(config_dict.get(key, "")) for key in ("model_type", "base_model_type"))
+    for name in PROCESSOR_FILES:
+        try:
+            config = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            continue
+        if not isinstance(config, dict):
+            continue
+        parts = [config] + [
+            value for key, value in config.items() if isinstance(value, dict) and "video" not in key.lower()
+        ]
+        named = ("image_processor_type", "processor_class")
+        classes = " ".join(str(part.get(key, "")) for part in parts for key in named)
+        pixel_sizes = bool(PIXEL_SIZE_CLASSES.search(f"{classes} {model_types}"))
+        refuse = functools.partial(_refuse_processor, folder / name)
+
+        for part in parts:
+            for key, value in part.items():
+                if not isinstance(key, str) or "video" in key.lower():
+                    continue
+                if "pixels" in key and _number(value) and value > MAX_PROCESSOR_PIXELS:
+                    refuse(key, value, MAX_PROCESSOR_PIXELS, "pixels")
+                if key in PROCESSOR_CROP_KEYS and _number(value) and value > MAX_PROCESSOR_CROPS:
+                    refuse(key, value, MAX_PROCESSOR_CROPS, "crops")
+                if key in PROCESSOR_PATCH_KEYS and _number(value) and value > MAX_PROCESSOR_PATCHES:
+                    refuse(key, value, MAX_PROCESSOR_PATCHES, "patches")
+                if not key.endswith("size"):
+                    continue
+                if isinstance(value, dict):
+                    for side, number in value.items():
+                        if side not in SIDE_KEYS or not _number(number):
+                            continue
+                        in_pixels = pixel_sizes and side in ("shortest_edge", "longest_edge")
+                        bound = MAX_PROCESSOR_PIXELS if in_pixels else MAX_PROCESSOR_SIDE
+                        if number > bound:
+                            refuse(f"{key}.{side}", number, bound, "pixels" if in_pixels else "pixels a side")
+                    continue
+                numbers = value if isinstance(value, list) else [value]
+                for number in numbers:
+                    if _number(number) and number > MAX_PROCESSOR_SIDE:
+                        refuse(key, value, MAX_PROCESSOR_SIDE, "pixels a side")
+
+
+def _refuse_processor(path: Path, key: str, value, bound: int, what: str):
+    raise KHAError(
+        f"{path}: {key} = {value!r} {what}, over the {bound:,} of any released processor; one small image would "
+        "cost the server gigabytes: fix the processor's config"
+    )
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def is_multimodal_checkpoint(folder: Path) -> bool:

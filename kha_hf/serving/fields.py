@@ -291,17 +291,18 @@ def chat_messages(images: bool) -> Check:
     messages = list_of(chat_message(images), MAX_MESSAGES, min_items=1)
 
     def check(value, name):
-        checked = messages(value, name)
+        # counted before any part is checked: each image's check decodes its base64 and opens it (6,000 one-pixel
+        # PNGs in one body kept the event loop busy before the cap refused them)
         count = sum(
             1
-            for message in checked
-            if isinstance(message.get("content"), list)
+            for message in (value if isinstance(value, list) else ())
+            if isinstance(message, dict) and isinstance(message.get("content"), list)
             for part in message["content"]
-            if part.get("type") == "image_url"
+            if isinstance(part, dict) and part.get("type") == "image_url"
         )
         if count > MAX_IMAGES:
             raise RequestError(400, f"{name} holds {count} images; kha serve takes at most {MAX_IMAGES}", name)
-        return checked
+        return messages(value, name)
 
     return check
 

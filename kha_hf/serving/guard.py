@@ -15,6 +15,9 @@ it:
   400 in OpenAI's error format, naming the field. `max_tokens` (and its aliases) must be an integer in
   [1, max_new_tokens]. What depends on the loaded model (prompt length against the context, token ids of
   `logit_bias`, sampling settings under continuous batching) is checked by the handlers (`handlers.py`).
+- **Not a web page's.** On a loopback address only loopback Host headers are answered (421 otherwise: DNS
+  rebinding), and a generation request's body must be declared `application/json` (415 otherwise: a page may send
+  text/plain or a form to the loopback server without a preflight, CSRF).
 - **Disconnects stop work.** Each request gets a fresh X-Request-ID; when its client disconnects, the request's
   generation is cancelled (`RequestRegistry`), streamed or not (5.25's own `CancelOnDisconnect` cancels it as well;
   the guard's stays, as the one that does not depend on transformers' release).
@@ -138,11 +141,44 @@ def model_aliases(typed: str, served: str) -> set[str]:
     return {name for name in names if name}
 
 
-class ServeGuard:
-    """ASGI middleware; `app` is transformers' FastAPI application."""
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
-    def __init__(self, app, served: str, aliases: set[str], limits: ServeLimits, registry: RequestRegistry) -> None:
+
+def is_loopback(host: str | None) -> bool:
+    return host is not None and (host.strip("[]") in LOOPBACK_NAMES or host.startswith("127."))
+
+
+def allowed_host_headers(host: str | None, port: int | None) -> set[bytes] | None:
+    """The Host headers a server bound to HOST:PORT answers: on a loopback address, its loopback names (alone or with
+    PORT), so that a web page whose name was rebound to 127.0.0.1 (DNS rebinding) cannot read its answers; None (any
+    Host) when it is bound to another address (0.0.0.0, a LAN address: reached under names kha serve cannot know)."""
+    if not is_loopback(host):
+        return None
+    names = {"127.0.0.1", "localhost", "[::1]", host if ":" not in host else f"[{host.strip('[]')}]"}
+    allowed = set(names) | {f"{name}:{port}" for name in names if port is not None}
+    return {name.encode() for name in allowed}
+
+
+def is_json_content_type(value: bytes | None) -> bool:
+    return value is not None and value.split(b";")[0].strip().lower() == b"application/json"
+
+
+class ServeGuard:
+    """ASGI middleware; `app` is transformers' FastAPI application. HOST, PORT: the address the server is bound to
+    (its Host headers are checked on a loopback one, `allowed_host_headers`); None: any Host."""
+
+    def __init__(
+        self,
+        app,
+        served: str,
+        aliases: set[str],
+        limits: ServeLimits,
+        registry: RequestRegistry,
+        host: str | None = None,
+        port: int | None = None,
+    ) -> None:
         self.app = app
+        self.allowed_hosts = allowed_host_headers(host, port)
         self.served = served
         self.aliases = aliases
         self.limits = limits
@@ -160,6 +196,11 @@ class ServeGuard:
             header_bytes = sum(len(name) + len(value) for name, value in scope["headers"])
             if header_bytes > MAX_HEADER_BYTES:  # uvicorn caps only headers still arriving, not a block read at once
                 raise RequestError(431, f"request headers of {header_bytes} bytes; the limit is {MAX_HEADER_BYTES}")
+            headers = dict(scope["headers"])
+            if self.allowed_hosts is not None and (headers.get(b"host") or b"").lower() not in self.allowed_hosts:
+                # DNS rebinding: a page whose name now points at 127.0.0.1 would read the answers
+                shown = (headers.get(b"host") or b"").decode("latin-1")[:100]
+                raise RequestError(421, f"Host {shown!r} is not this server's: it answers its loopback address only")
             if path == "/health" and method in ("GET", "HEAD"):
                 stuck = self.registry.longest_running()
                 if stuck > self.limits.request_timeout + 30:
@@ -178,6 +219,10 @@ class ServeGuard:
                 raise RequestError(404, f"no such endpoint {path}; kha serve answers {', '.join(GENERATION_PATHS)}")
             if method != "POST":
                 raise RequestError(405, f"{path} takes POST requests")
+            if not is_json_content_type(headers.get(b"content-type")):
+                # a web page may POST text/plain or a form to the loopback server without asking (CSRF); JSON it may
+                # send only after a preflight (OPTIONS), which these paths refuse
+                raise RequestError(415, f"{path} takes a JSON body: send Content-Type: application/json")
             body = await self._read_body(scope, receive)
         except RequestError as err:
             await _answer(send, err)
@@ -210,8 +255,7 @@ class ServeGuard:
             return
         data = json.dumps(body).encode()
         request_id = uuid.uuid4().hex
-        # the body passed on is the checked JSON, whatever content type the client declared (FastAPI would answer a
-        # text/plain one with a 422 outside OpenAI's error format)
+        # the body passed on is the checked JSON (its content type was checked: application/json, maybe a charset)
         passed = (REQUEST_ID_HEADER, b"content-length", b"content-type")
         headers = [(k, v) for k, v in scope["headers"] if k not in passed]
         headers += [

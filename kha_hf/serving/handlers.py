@@ -4,9 +4,10 @@ The subclasses here keep transformers' response builders (`_streaming`, `_non_st
 reasoning) and replace `handle_request`, which does, per request (the body has already passed the guard's
 allowlist, `fields.py`):
 
-- render and tokenise on a small pool of threads, under the request's time limit (`--request-timeout`; what the
-  render took is taken off the generation's budget). transformers 5.25 renders off the event loop too, but on one
-  thread for all requests and without a time limit: a slow render held up every other request's prompt. A prompt
+- render and tokenise on at most RENDER_THREADS threads at once, under the request's time limit (`--request-timeout`;
+  what the render took is taken off the generation's budget); a render past its limit is stopped (`RenderThread`).
+  transformers 5.25 renders off the event loop too, but on one thread for all requests and without a time limit: a
+  slow render held up every other request's prompt, and an endless one every later request. A prompt
   that does not render (the model's template or processor refuses the messages) answers 400, as does an empty
   completion prompt on a tokenizer without a BOS token (5.25 sends the model an empty prompt);
 - the chat template gets the server's `chat_template_kwargs` only (5.25 merges a client's over them);
@@ -28,10 +29,12 @@ model manager and the loader).
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
+from .engine import SEED_KWARG
 from .errors import RequestError
 from .generation import fit_request
 from .guard import RequestRegistry, ServeLimits
@@ -63,6 +66,113 @@ def check_model_settings(body: dict, config, generation_kwargs: dict) -> None:
             raise RequestError(400, f"logit_bias names token {key}; this model's vocabulary has {vocab}", "logit_bias")
     if ((body.get("temperature") or 0) > 0 or body.get("top_p") is not None) and body.get("temperature") != 0:
         generation_kwargs["do_sample"] = True
+
+
+# the processor's (or tokenizer's) attributes that name the tokens it writes for an image (or a video, audio): Gemma 3's
+# image_token <image_soft_token>, boi_token <start_of_image>, eoi_token <end_of_image>, and the like of other models
+MEDIA_TOKEN_ATTRIBUTES = (
+    "image_token", "boi_token", "eoi_token", "start_image_token", "end_image_token", "image_start_token",
+    "image_end_token", "fake_image_token", "global_image_token", "video_token", "audio_token", "boa_token",
+    "eoa_token",
+)  # fmt: skip
+
+
+def media_tokens(processor) -> set[str]:
+    """The special tokens PROCESSOR writes for an image (or video, audio) part, from it and its tokenizer."""
+    found = set()
+    for owner in (processor, getattr(processor, "tokenizer", None)):
+        for name in MEDIA_TOKEN_ATTRIBUTES:
+            try:
+                value = getattr(owner, name, None)
+            except Exception:  # a tokenizer's attribute may raise when it is unset
+                continue
+            if isinstance(value, str) and value.strip():
+                found.add(value)
+    return found
+
+
+def message_texts(messages) -> list[tuple[str, str]]:
+    """(where, text) of every text a client sent in MESSAGES (chat messages or Responses input items)."""
+    if isinstance(messages, str):
+        return [("text", messages)]
+    texts = []
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append((f"messages[{i}].content", content))
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    texts.append((f"messages[{i}].content[{j}].text", text))
+    return texts
+
+
+def check_no_media_tokens(processor, messages, param: str) -> None:
+    """RequestError (400) naming the token when a client's text holds one of the tokens the processor writes for an
+    image: typed beside an image it breaks the count of images against features (the model raised: a 500), typed
+    alone it is fed as an image placeholder without features."""
+    tokens = media_tokens(processor)
+    if not tokens:
+        return
+    for where, text in message_texts(messages):
+        for token in sorted(tokens):
+            if token in text:
+                raise RequestError(
+                    400,
+                    f"{where} holds {token!r}, a token this model's processor writes for an image: send images as "
+                    "image_url parts, not their tokens",
+                    param,
+                )
+
+
+class RenderStopped(BaseException):
+    """Raised inside a render thread to stop a render past its time limit (a BaseException: templates, tokenizers
+    and transformers catch Exception, and must not swallow it)."""
+
+
+class RenderThread(threading.Thread):
+    """A thread that runs one render, FN(), and hands its outcome, (True, result) or (False, error), to the event loop
+    LOOP (`outcome`), then calls ON_END there. `stop()` raises RenderStopped inside the render (at its next Python
+    bytecode: a template's loops stop; a call into native code stops once it returns) and never after it: the
+    thread ends, and ON_END runs, in every case."""
+
+    def __init__(self, fn: Callable, loop: asyncio.AbstractEventLoop, on_end: Callable[[], None]) -> None:
+        super().__init__(name="kha-serve-render", daemon=True)
+        self.fn, self.loop, self.on_end = fn, loop, on_end
+        self.outcome: asyncio.Future = loop.create_future()
+        self.lock = threading.Lock()
+        self.rendering = True
+        self.stopped = False
+
+    def stop(self) -> None:
+        with self.lock:
+            if self.rendering and self.ident is not None and not self.stopped:
+                self.stopped = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), ctypes.py_object(RenderStopped))
+
+    def run(self) -> None:
+        outcome = None
+        while True:  # a RenderStopped may land anywhere until the render is marked over and any pending one cleared
+            try:
+                if outcome is None:
+                    try:
+                        outcome = (True, self.fn())
+                    except BaseException as err:
+                        outcome = (False, err)
+                with self.lock:
+                    self.rendering = False
+                    if self.stopped:
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), None)  # clear it
+                break
+            except RenderStopped as err:
+                outcome = outcome or (False, err)
+        self.loop.call_soon_threadsafe(self._settle, outcome)
+
+    def _settle(self, outcome) -> None:
+        if not self.outcome.done():
+            self.outcome.set_result(outcome)
+        self.on_end()
 
 
 def check_continuous_batching(body: dict, config, model_generation, generation_kwargs: dict, info: dict) -> None:
@@ -104,10 +214,13 @@ def kha_handler_classes(limits: ServeLimits, registry: RequestRegistry) -> dict[
     from transformers.cli.serving.utils import prompt_length
     from transformers.tokenization_utils_base import BatchEncoding
 
-    pool = ThreadPoolExecutor(max_workers=RENDER_THREADS, thread_name_prefix="kha-serve-render")
+    slots: list[asyncio.Semaphore] = []  # made on the server's event loop, at its first render
 
     async def off_loop(render: Callable, started: float, param: str):
-        """RENDER() on the render pool, within what is left of the request's time limit; a failure is a 400."""
+        """RENDER() on a render thread (RENDER_THREADS at most at once), within what is left of the request's time
+        limit; a failure is a 400. A render still running at the limit (or when its client goes) is stopped
+        (`RenderThread.stop`), so that it gives its place back: a checkpoint's template with nested loops held both
+        render threads for good, and every later request answered 408."""
 
         def run():
             try:
@@ -118,14 +231,35 @@ def kha_handler_classes(limits: ServeLimits, registry: RequestRegistry) -> dict[
                 message = f"{type(err).__name__}: {err}"[:300]
                 raise RequestError(400, f"the prompt could not be rendered: {message}", param) from None
 
-        left = limits.request_timeout - (time.monotonic() - started)
-        future = asyncio.get_running_loop().run_in_executor(pool, registry.track(run))
-        try:
-            return await asyncio.wait_for(future, timeout=max(left, 0.0))
-        except asyncio.TimeoutError:
-            raise RequestError(
+        def timed_out() -> RequestError:
+            return RequestError(
                 408, f"the prompt did not render within --request-timeout ({limits.request_timeout:g} s)", param
-            ) from None
+            )
+
+        if not slots:
+            slots.append(asyncio.Semaphore(RENDER_THREADS))
+        slot = slots[0]
+        deadline = started + limits.request_timeout
+        try:
+            await asyncio.wait_for(slot.acquire(), timeout=max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            raise timed_out() from None
+        loop = asyncio.get_running_loop()
+        thread = RenderThread(registry.track(run), loop, on_end=slot.release)
+        thread.start()
+        try:
+            ok, value = await asyncio.wait_for(
+                asyncio.shield(thread.outcome), timeout=max(deadline - time.monotonic(), 0.0)
+            )
+        except asyncio.TimeoutError:
+            thread.stop()
+            raise timed_out() from None
+        except asyncio.CancelledError:  # the client went
+            thread.stop()
+            raise
+        if not ok:
+            raise value
+        return value
 
     class Common:
         def _chat_template_kwargs(self, body: dict) -> dict:
@@ -140,6 +274,9 @@ def kha_handler_classes(limits: ServeLimits, registry: RequestRegistry) -> dict[
                 info = await engine.cb_info()
                 check_continuous_batching(body, engine.model_config, engine.generation_config, generation_kwargs, info)
                 cache_tokens = info.get("cache_tokens")
+            elif generation_kwargs.get("seed") is not None:
+                # applied in the model's process to this request's generation only (engine.seeded_generation_isolated)
+                generation_kwargs[SEED_KWARG] = int(generation_kwargs.pop("seed"))
             asked = next((body[key] for key in ASKED_TOKENS if body.get(key) is not None), None)
             fit_request(engine.model_config, prompt_length(inputs), asked, generation_kwargs, limits, cache_tokens)
             self._log_request(request_id, engine, inputs, generation_kwargs, body.get("stream"), body)
@@ -152,6 +289,7 @@ def kha_handler_classes(limits: ServeLimits, registry: RequestRegistry) -> dict[
             started = time.monotonic()
             self._validate_request(body)
             engine = self.model_manager.get_engine(body.get("model"))
+            check_no_media_tokens(engine.processor, body["messages"], "messages")
             render = lambda: self.render_messages(engine, body["messages"], body)  # noqa: E731
             inputs = await off_loop(render, started, "messages")
             bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
@@ -195,6 +333,8 @@ def kha_handler_classes(limits: ServeLimits, registry: RequestRegistry) -> dict[
             started = time.monotonic()
             self._validate_request(body)
             engine = self.model_manager.get_engine(body.get("model"))
+            check_no_media_tokens(engine.processor, body["input"], "input")
+            check_no_media_tokens(engine.processor, body.get("instructions"), "instructions")
             render = lambda: self.render_messages(engine, self._normalize_input(body), body)  # noqa: E731
             inputs = await off_loop(render, started, "input")
             bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)

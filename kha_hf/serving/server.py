@@ -42,6 +42,7 @@ from ..common.loading import (
     TOKENIZER_FILES,
     check_device,
     check_model_ref,
+    check_processor_bounds,
     check_processor_needs_no_code,
     check_remote_code_allowed,
     describe_error,
@@ -213,6 +214,7 @@ def check_serve_inputs(
     check_remote_code_allowed(path, trust_remote_code)
     if is_kha:
         check_processor_needs_no_code(path)  # its processor loads without code (KHAModelManager._load_processor)
+    check_processor_bounds(path)  # one small image resized to gigabytes (any checkpoint: its processor serves images)
     from ..common.checks import check_checkpoint_against_config, check_not_task_head
 
     check_not_task_head(path)  # served as a causal LM, a reward model would answer with a random lm_head
@@ -341,7 +343,13 @@ def start_server(
         app.add_exception_handler(HTTPException, http_error)
         app.add_exception_handler(Exception, server_error)
         app.add_middleware(
-            ServeGuard, served=served, aliases=model_aliases(str(model), served), limits=limits, registry=registry
+            ServeGuard,
+            served=served,
+            aliases=model_aliases(str(model), served),
+            limits=limits,
+            registry=registry,
+            host=host,
+            port=port,
         )
         return app
 
@@ -371,6 +379,10 @@ def start_server(
         if "model_manager" in built:
             built["model_manager"].shutdown()
         raise KHAError(f"the server did not start: {describe_error(err)}") from err
+    except OSError as err:  # its config could not be read: a Hub id that does not exist, no network (one line)
+        if "model_manager" in built:
+            built["model_manager"].shutdown()
+        raise KHAError(f"cannot load {model}: {describe_error(err)}") from err
     running = RunningServer(serve, built["server"], built["thread"], built["model_manager"], registry)
     try:
         wait_until_ready(host, port, ready_timeout)

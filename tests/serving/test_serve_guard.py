@@ -158,7 +158,8 @@ def test_malformed_requests_get_4xx_not_500(served, path, body, status, param):
 def test_bodies_that_are_not_json_objects_get_400(served):
     _, base, _ = served
     for content in (b"not json", b"[1, 2]", b"\xff\xfe"):
-        response = requests.post(f"{base}/v1/completions", data=content, timeout=30)
+        headers = {"content-type": "application/json"}
+        response = requests.post(f"{base}/v1/completions", data=content, headers=headers, timeout=30)
         assert response.status_code == 400, response.text
 
 
