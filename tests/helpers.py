@@ -260,3 +260,14 @@ def side_environment(what: str, venv: str, module: str, python_var: str, require
             pytest.fail(message)
         pytest.skip(message)
     return python
+
+
+def _cache_key() -> str:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+# The KV cache's name in model outputs and forward arguments: `cache` from transformers 5.24 on, `past_key_values`
+# before (5.16.1 to 5.23, the low end of kha-hf's range)
+CACHE_KEY = _cache_key()

@@ -18,7 +18,15 @@ import torch
 
 from kha_hf import KHAForCausalLM
 from kha_hf.modeling.families import FAMILIES
-from tests.helpers import ALL_FAMILIES, MLA_FAMILIES, assert_close, randomize_knocks, run_python, tiny_base_model
+from tests.helpers import (
+    ALL_FAMILIES,
+    CACHE_KEY,
+    MLA_FAMILIES,
+    assert_close,
+    randomize_knocks,
+    run_python,
+    tiny_base_model,
+)
 from tests.modeling.expected_layouts import expected_rows
 
 IDS = torch.tensor([[3, 9, 27, 81, 5, 15, 45, 7, 21], [4, 8, 16, 32, 64, 1, 2, 11, 13]])
@@ -111,7 +119,7 @@ def test_cached_decoding_matches_a_full_forward(family):
         out = kha(IDS[:, :5], use_cache=True)
         steps = [out.logits]
         for t in range(5, IDS.shape[1]):
-            out = kha(IDS[:, t : t + 1], cache=out.cache, use_cache=True)
+            out = kha(IDS[:, t : t + 1], **{CACHE_KEY: getattr(out, CACHE_KEY)}, use_cache=True)
             steps.append(out.logits)
     assert_close(torch.cat(steps, dim=1), full, atol=1e-4, what=f"{family}: cached vs full")
 

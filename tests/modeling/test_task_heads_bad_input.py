@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers
 from safetensors.torch import load_file, save_file
 
 from kha_hf.cli import main
+from kha_hf.common.supported_versions import release
+from kha_hf.peft.model import REMAP_HOOK
 from tests.modeling.test_task_heads import _save_stock
 from tests.peft.test_adapter_cli import trained_adapter
 
@@ -53,13 +56,18 @@ def _one_line_error(capsys, argv, *expected):
     assert len(err.splitlines()) == 1 and all(e in err for e in expected), (argv, err)
 
 
+SERVE_RELEASE = release(transformers.__version__)[:2] >= (5, 25)
+
+
 def test_language_model_commands_refuse_head_checkpoints(heads, tmp_path, capsys):
     for name in ("seq", "kha_seq", "kha_qa"):
         folder = str(heads / name)
         _one_line_error(
             capsys, ["train", folder, "--output", str(tmp_path / "t"), "--max-steps", "1"], "not a language"
         )
-        _one_line_error(capsys, ["serve", folder, "--port", "1"], "not a language model")
+        # kha serve on transformers < 5.25 refuses the release first, in its own one line
+        serve_refusal = "not a language model" if SERVE_RELEASE else "kha serve needs transformers>=5.25"
+        _one_line_error(capsys, ["serve", folder, "--port", "1"], serve_refusal)
         _one_line_error(capsys, ["ab", "--from", folder, "--output", str(tmp_path / "ab")], "not a language model")
     _one_line_error(capsys, ["adapter", str(heads / "kha_qa"), str(tmp_path / "adapter")], "not a language model")
     _one_line_error(
@@ -134,6 +142,7 @@ def test_verify_and_fold_refuse_mismatched_heads(heads, tmp_path, capsys):
     assert not (tmp_path / "folded").exists()
 
 
+@pytest.mark.skipif(not REMAP_HOOK, reason="knock adapters need peft>=0.21 (one line on 0.20: tests/peft)")
 def test_eval_adapter_of_another_family_fails_before_the_baseline_runs(heads, tmp_path, capsys):
     from tests.helpers import save_tiny_checkpoint
 
