@@ -106,6 +106,12 @@ def test_serve_and_convert_refuse_a_processor_that_resizes_an_image_to_gigabytes
     )
     assert result.returncode != 0 and named in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "again").exists()
+    if named == "size.height":  # the memory bound, measured: kha serve as a child process, its peak RSS
+        from tests.conversion.test_gguf_header import peak_rss_mb
+
+        rc, stderr, peak = peak_rss_mb(["serve", str(folder), "--port", str(free_port())], timeout=120)
+        assert rc == 2 and named in stderr.strip().splitlines()[-1], stderr[-2000:]
+        assert peak < 1500, f"peak RSS {peak:.0f} MB"  # was past 5.5 GB after one request
 
 
 @pytest.mark.parametrize(
