@@ -54,6 +54,10 @@ class KnockConfig(PeftConfig):
         target_modules: derived from the model (its family's projections in the knocked layers); any value given is
             replaced, so an adapter file cannot point the knocks elsewhere.
         modules_to_save (`list[str]`, *optional*): other modules trained in full and saved with the knocks.
+        init_weights (`bool`, defaults to `True`): the identity at init; `False` gives a seeded perturbation of it
+            (PEFT's convention, so that tests of saving, merging and unloading see an adapter that does something).
+        layers_to_transform (`int | list[int]`, *optional*): PEFT's name for `knock_layers`; both, if given, agree.
+        layers_pattern (`str`, *optional*): accepted as `"layers"` (the only layer list knock adapters find).
 
     At init every knock is the identity, so the adapted model computes bit for bit what the stock model computes.
     """
@@ -66,6 +70,20 @@ class KnockConfig(PeftConfig):
     target_modules: Any = field(default=None, metadata={"help": "derived from the model; any value is replaced"})
     modules_to_save: list[str] | None = field(default=None, metadata={"help": "other modules to train and save"})
     base_model_type: str | None = field(default=None, metadata={"help": "the base family; recorded when applied"})
+    init_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "True: every knock starts as the identity (the adapted model computes the stock model's outputs). "
+            "False: a seeded perturbation of the identity, PEFT's convention for testing save/load, merging and "
+            "unloading on an adapter that is not a no-op, and for research"
+        },
+    )
+    layers_to_transform: int | list[int] | None = field(
+        default=None, metadata={"help": "PEFT's name for knock_layers (one index or a list); both must agree"}
+    )
+    layers_pattern: str | list[str] | None = field(
+        default=None, metadata={"help": "PEFT's name of the layer list; knock adapters find `...layers.<i>` only"}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -82,6 +100,24 @@ class KnockConfig(PeftConfig):
                 raise ValueError(
                     f"KnockConfig: knock_{target}={value!r} is not valid; choose one of {', '.join(allowed)}"
                 )
+        if not isinstance(self.init_weights, bool):
+            raise ValueError(f"KnockConfig: init_weights must be True or False, got {self.init_weights!r}")
+        if self.layers_pattern not in (None, "layers", ["layers"]):
+            raise ValueError(
+                f"KnockConfig: layers_pattern {self.layers_pattern!r} is not supported: knock adapters find the "
+                "decoder layers as `...layers.<i>` (leave it unset or 'layers')"
+            )
+        if self.layers_to_transform is not None:
+            alias = self.layers_to_transform
+            alias = [alias] if isinstance(alias, int) and not isinstance(alias, bool) else alias
+            if not isinstance(alias, (list, tuple)):
+                raise ValueError("KnockConfig: layers_to_transform must be a layer index or a list of them")
+            if self.knock_layers is not None and sorted(set(self.knock_layers)) != sorted(set(alias)):
+                raise ValueError(
+                    f"KnockConfig: knock_layers {self.knock_layers} and layers_to_transform {alias} disagree "
+                    "(they name the same thing: give one)"
+                )
+            self.knock_layers = list(alias)
         if self.knock_layers is not None:
             layers = self.knock_layers
             if (
@@ -91,6 +127,8 @@ class KnockConfig(PeftConfig):
             ):
                 raise ValueError("KnockConfig: knock_layers must be a list of layer indices (non-negative integers)")
             self.knock_layers = sorted(set(layers))
+            if self.layers_to_transform is not None:
+                self.layers_to_transform = list(self.knock_layers)
         if self.modules_to_save is not None and (
             not isinstance(self.modules_to_save, (list, tuple))
             or not all(isinstance(m, str) for m in self.modules_to_save)

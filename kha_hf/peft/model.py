@@ -8,6 +8,7 @@ Where the knocks go is KHA's own table (`modeling/families.py`): the family's pr
 from __future__ import annotations
 
 import re
+import zlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -74,6 +75,20 @@ def check_knock_state_dict(
             )
         if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
             raise ValueError(f"knock adapter {adapter_name!r}: {key} is not finite floating point ({tensor.dtype})")
+
+
+INIT_PERTURBATION = 0.02  # init_weights=False: the knocks' distance from the identity (each entry's std)
+
+
+def perturb_knocks(knocks: nn.Module, module_name: str) -> None:
+    """`init_weights=False`: add seeded noise (std INIT_PERTURBATION) to every knock parameter of KNOCKS, the seed
+    taken from MODULE_NAME, so the same model and config always give the same adapter; linear knocks stay
+    invertible (I + small noise), the MLP gate leaves 0."""
+    generator = torch.Generator().manual_seed(zlib.crc32(module_name.encode()))
+    with torch.no_grad():
+        for param in knocks.parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.add_((INIT_PERTURBATION * noise).to(param.dtype).to(param.device))
 
 
 def _family(model: nn.Module) -> tuple[str, Any]:
@@ -186,11 +201,14 @@ class KnockModel(BaseTuner):
         placement = self._knock_placements[current_key]
         if isinstance(target, KnockLayer):
             target.update_layer(adapter_name, placement, inference_mode=peft_config.inference_mode)
-            return
-        new_module = KnockLayer(target, adapter_name, placement)
-        if adapter_name not in self.active_adapters:
-            new_module.requires_grad_(False)  # an added adapter is not trainable until it is set active
-        self._replace_module(parent, target_name, new_module, target)
+            layer = target
+        else:
+            layer = KnockLayer(target, adapter_name, placement)
+            if adapter_name not in self.active_adapters:
+                layer.requires_grad_(False)  # an added adapter is not trainable until it is set active
+            self._replace_module(parent, target_name, layer, target)
+        if not peft_config.init_weights:
+            perturb_knocks(layer.knock_sets[adapter_name], current_key)
 
     @classmethod
     def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:

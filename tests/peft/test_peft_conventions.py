@@ -1,0 +1,71 @@
+"""PEFT's conventions on KnockConfig (#48 items 2, 3, 5): `init_weights=False` (a seeded non-identity adapter, as
+PEFT's tests use for every tuner), `layers_to_transform` / `layers_pattern` with PEFT's meaning, and a merge that
+must knock the projection's bias too (Qwen2: q/k/v biases)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+
+from kha_hf import KnockConfig
+from tests.helpers import assert_close, tiny_base_model
+from tests.peft.test_knock_adapter import IDS
+
+
+def knocked_layers(model) -> set[int]:
+    return {int(n.split("layers.")[1].split(".")[0]) for n, _ in model.named_parameters() if ".knock_sets." in n}
+
+
+def test_init_weights_false_is_a_seeded_adapter_that_does_something(tmp_path):
+    stock = tiny_base_model("llama").eval()
+    with torch.no_grad():
+        expected = stock(IDS).logits
+    first = get_peft_model(tiny_base_model("llama"), KnockConfig(knock="mlp_v_linear_qk", init_weights=False)).eval()
+    second = get_peft_model(tiny_base_model("llama"), KnockConfig(knock="mlp_v_linear_qk", init_weights=False)).eval()
+    identity = get_peft_model(tiny_base_model("llama"), KnockConfig(knock="mlp_v_linear_qk")).eval()
+    with torch.no_grad():
+        moved = first(IDS).logits
+        assert (moved - expected).abs().max() > 1e-3, "init_weights=False left the identity"
+        assert torch.equal(second(IDS).logits, moved), "the perturbation is not seeded"
+        assert torch.equal(identity(IDS).logits, expected), "init_weights=True must stay the identity"
+    first.save_pretrained(tmp_path / "adapter")
+    assert '"init_weights": false' in (tmp_path / "adapter" / "adapter_config.json").read_text()
+    reloaded = PeftModel.from_pretrained(tiny_base_model("llama"), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(IDS).logits, moved), "a reload must give the saved knocks, not new noise"
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_init_weights_must_be_a_bool(value):
+    with pytest.raises(ValueError, match="KnockConfig: init_weights must be True or False"):
+        KnockConfig(init_weights=value)
+
+
+def test_layers_to_transform_is_knock_layers():
+    by_peft = get_peft_model(tiny_base_model("llama"), KnockConfig(knock="linear_v", layers_to_transform=1))
+    by_kha = get_peft_model(tiny_base_model("llama"), KnockConfig(knock="linear_v", knock_layers=[1]))
+    assert knocked_layers(by_peft) == knocked_layers(by_kha) == {1}
+    both = KnockConfig(knock="linear_v", knock_layers=[0, 2], layers_to_transform=[2, 0], layers_pattern="layers")
+    assert both.knock_layers == [0, 2]
+    with pytest.raises(ValueError, match="knock_layers \\[0\\] and layers_to_transform \\[1\\] disagree"):
+        KnockConfig(knock_layers=[0], layers_to_transform=[1])
+    with pytest.raises(ValueError, match="layers_pattern 'h' is not supported"):
+        KnockConfig(layers_pattern="h")
+
+
+def test_a_merge_knocks_the_projection_bias_too():
+    """Qwen2 has q/k/v biases (random here): a merge that folded the weights but not the biases moved the logits by
+    0.126 on such a model; the fold rule b' = T^T b keeps them within float rounding, and unmerging restores them."""
+    model = get_peft_model(tiny_base_model("qwen2"), KnockConfig(knock="linear_qkv", init_weights=False)).eval()
+    v_proj = model.base_model.model.model.layers[0].self_attn.v_proj.base_layer
+    assert v_proj.bias is not None and v_proj.bias.abs().max() > 0
+    bias_before = v_proj.bias.detach().clone()
+    with torch.no_grad():
+        expected = model(IDS).logits
+        model.merge_adapter()
+        assert not torch.equal(v_proj.bias, bias_before), "the merge left the bias unknocked"
+        assert_close(model(IDS).logits, expected, atol=1e-5, what="merged vs unmerged")
+        model.unmerge_adapter()
+        assert_close(model(IDS).logits, expected, atol=1e-5, what="unmerged again")
+        assert_close(v_proj.bias, bias_before, atol=1e-6, what="bias restored")
