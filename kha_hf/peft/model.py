@@ -7,6 +7,7 @@ Where the knocks go is KHA's own table (`modeling/families.py`): the family's pr
 
 from __future__ import annotations
 
+import contextlib
 import re
 import zlib
 from types import SimpleNamespace
@@ -235,6 +236,18 @@ class KnockModel(BaseTuner):
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         check_knock_state_dict(model.state_dict(), remapped, config, adapter_name)
         return remapped
+
+    @contextlib.contextmanager
+    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any):
+        """PEFT calls this around forward and generate with their special arguments. Mixed adapter batches
+        (`adapter_names=`, one adapter per row) are not implemented for knocks yet: refused in one line, where PEFT
+        would otherwise drop the argument and run every row with the active adapter."""
+        if kwargs.get("adapter_names") is not None:
+            raise ValueError(
+                "knock adapters do not support mixed adapter batches (adapter_names=) yet: run each adapter's rows "
+                "separately with set_adapter(...)"
+            )
+        yield
 
     def _check_merge_allowed(self) -> None:
         super()._check_merge_allowed()
