@@ -66,18 +66,35 @@ def check_gguf_header(path: Path) -> None:
     if blocks != set(range(layers)):
         held = f"layers 0 to {max(blocks)}" if blocks else "no layers"
         raise KHAError(f"{where}: {arch}.block_count says {layers} layers, its tensors hold {held}")
+    # transformers creates every tensor the file lacks at the sizes its metadata states (a file without its real
+    # tensors would allocate from its numbers alone and convert to random weights): the embedding, each layer's
+    # norm, attention and MLP must be there, every layer holding what layer 0 holds
+    kinds = {i: {t.name.split(".", 2)[2] for t in reader.tensors if t.name.startswith(f"blk.{i}.")} for i in blocks}
+    needed = (("attn_norm.weight",), ("attn_q.weight", "attn_qkv.weight", "attn_q_a.weight"), ("attn_output.weight",))
+    needed += (("ffn_down.weight", "ffn_down_exps.weight"),)  # a dense or a MoE MLP (DeepSeek mixes both)
+    for i in sorted(kinds):
+        for options in needed:
+            if not any(option in kinds[i] for option in options):
+                raise KHAError(f"{where}: layer {i} has no {' or '.join(options)} tensor: not a complete model")
     embedding = _shape(reader, "token_embd.weight")  # [hidden, vocab]
     width = _integer(reader, f"{arch}.embedding_length")
-    if embedding is not None and len(embedding) == 2:
-        if width != embedding[0]:
-            raise KHAError(f"{where}: {arch}.embedding_length {width} differs from token_embd's width {embedding[0]}")
-        vocab = _integer(reader, f"{arch}.vocab_size")
-        if vocab is not None and vocab != embedding[1]:
-            raise KHAError(f"{where}: {arch}.vocab_size {vocab} differs from token_embd's {embedding[1]} rows")
+    if embedding is None or len(embedding) != 2:
+        raise KHAError(f"{where} has no token_embd.weight matrix: not a complete model")
+    norm = _shape(reader, "blk.0.attn_norm.weight")
+    if norm is not None and norm[0] != width:
+        raise KHAError(f"{where}: {arch}.embedding_length {width} differs from attn_norm's width {norm[0]}")
+    if width != embedding[0]:
+        raise KHAError(f"{where}: {arch}.embedding_length {width} differs from token_embd's width {embedding[0]}")
+    vocab = _integer(reader, f"{arch}.vocab_size")
+    if vocab is not None and vocab != embedding[1]:
+        raise KHAError(f"{where}: {arch}.vocab_size {vocab} differs from token_embd's {embedding[1]} rows")
     up = _shape(reader, "blk.0.ffn_up.weight")  # [hidden, intermediate] (dense layers; MoE: ffn_up_exps)
+    down = _shape(reader, "blk.0.ffn_down.weight")  # [intermediate, hidden]
     feed_forward = _integer(reader, f"{arch}.feed_forward_length")
-    if up is not None and len(up) == 2 and feed_forward is not None and feed_forward != up[1]:
-        raise KHAError(f"{where}: {arch}.feed_forward_length {feed_forward} differs from its tensors' {up[1]}")
+    # ffn_down's input is the intermediate width in every family (Phi-3's ffn_up is gate and up fused: twice it)
+    dense = down[0] if down is not None and len(down) == 2 else up[1] if up is not None and len(up) == 2 else None
+    if dense is not None and feed_forward is not None and feed_forward != dense:
+        raise KHAError(f"{where}: {arch}.feed_forward_length {feed_forward} differs from its tensors' {dense}")
     for key, cap in (
         (f"{arch}.attention.head_count", MAX_HEADS),
         (f"{arch}.attention.head_count_kv", MAX_HEADS),

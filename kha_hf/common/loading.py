@@ -328,6 +328,10 @@ PROCESSOR_CROP_KEYS = (
     "max_num_crops", "dynamic_hd",
 )  # fmt: skip
 PROCESSOR_PATCH_KEYS = ("max_patches", "max_num_patches")
+# tokens one image becomes, as processors read them from their config (Gemma 3: 256, Idefics3: 169, SmolVLM: 64)
+PROCESSOR_TOKEN_KEYS = ("image_seq_length", "num_image_tokens", "mm_tokens_per_image", "image_seq_len")
+MAX_PROCESSOR_IMAGE_TOKENS = 16384
+MIN_PROCESSOR_PATCH = 4  # pixels a side of a vision patch (released processors: 14 to 32)
 SIDE_KEYS = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_width")
 # image processors whose size.shortest_edge / longest_edge count pixels, not a side (Qwen-VL, GLM-4V and kin)
 PIXEL_SIZE_CLASSES = re.compile(r"qwen|glm|keye|paddleocr", re.IGNORECASE)
@@ -364,6 +368,16 @@ def check_processor_bounds(folder: Path) -> None:
                     refuse(key, value, MAX_PROCESSOR_CROPS, "crops")
                 if key in PROCESSOR_PATCH_KEYS and _number(value) and value > MAX_PROCESSOR_PATCHES:
                     refuse(key, value, MAX_PROCESSOR_PATCHES, "patches")
+                if key in PROCESSOR_TOKEN_KEYS and _number(value) and value > MAX_PROCESSOR_IMAGE_TOKENS:
+                    # Gemma 3's processor builds its image-token string of this length when it is created
+                    refuse(key, value, MAX_PROCESSOR_IMAGE_TOKENS, "tokens per image")
+                if key == "patch_size":
+                    sides = value.values() if isinstance(value, dict) else [value]
+                    if any(_number(side) and side < MIN_PROCESSOR_PATCH for side in sides):
+                        raise KHAError(
+                            f"{folder / name}: patch_size = {value!r} is below the {MIN_PROCESSOR_PATCH} pixels of any "
+                            "released processor; one image would become millions of tokens: fix the processor's config"
+                        )
                 if not key.endswith("size"):
                     continue
                 if isinstance(value, dict):

@@ -75,7 +75,7 @@ def test_a_layer_count_beyond_the_tensors_is_one_line_in_bounded_memory(tiny_ggu
     "key, value, message",
     [
         ("llama.block_count", 5, "llama.block_count says 5 layers, its tensors hold layers 0 to 2"),
-        ("llama.embedding_length", 1 << 20, "llama.embedding_length 1048576 differs from token_embd's width 64"),
+        ("llama.embedding_length", 1 << 20, "llama.embedding_length 1048576 differs from attn_norm's width 64"),
         ("llama.feed_forward_length", 1 << 22, "llama.feed_forward_length 4194304 differs from its tensors'"),
         ("llama.attention.head_count", 100_000, "llama.attention.head_count 100000 is beyond any model's"),
         ("llama.context_length", 1 << 30, "llama.context_length 1073741824 is beyond any model's"),
@@ -91,3 +91,77 @@ def test_numbers_that_contradict_the_tensors(tiny_gguf, tmp_path, capsys, key, v
 def test_the_untouched_file_still_converts(tiny_gguf, tmp_path):
     assert main(["convert", str(tiny_gguf), str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == 3
+
+
+def rebuilt(source: Path, out: Path, drop: tuple[str, ...] = (), extra: dict | None = None, **values) -> Path:
+    """SOURCE written again without the tensors whose names start with DROP, plus EXTRA (name -> shape, zeros), with
+    integer metadata VALUES (key with dots as __)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    overrides = {key.replace("__", "."): value for key, value in values.items()}
+    writer = GGUFWriter(out, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in overrides:
+            continue
+        if field.types[0] == GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), GGUFValueType.ARRAY, sub_type=field.types[1])
+        else:
+            writer.add_key_value(key, field.contents(), field.types[0])
+    for key, value in overrides.items():
+        writer.add_key_value(key, value, GGUFValueType.UINT32)
+    for tensor in reader.tensors:
+        if not tensor.name.startswith(drop):
+            shape = list(reversed([int(n) for n in tensor.shape]))
+            writer.add_tensor(tensor.name, np.array(tensor.data).reshape(shape), raw_dtype=tensor.tensor_type)
+    for name, shape in (extra or {}).items():
+        writer.add_tensor(name, np.zeros(list(reversed(shape)), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_a_file_without_its_real_tensors_is_refused_in_bounded_memory(tiny_gguf, tmp_path):
+    """The round-5 attack's bypass: no token_embd, no real layer tensors, one `blk.0.junk.weight`, and widths of
+    8192 / 32768 in the metadata: transformers built every missing tensor at those sizes (3.57 GB) and the convert
+    exited 0 with random weights."""
+    bad = rebuilt(
+        tiny_gguf,
+        tmp_path / "hollow.gguf",
+        drop=("token_embd", "output", "blk."),
+        extra={"blk.0.junk.weight": [4]},
+        llama__embedding_length=8192,
+        llama__feed_forward_length=32768,
+        llama__block_count=1,
+    )
+    rc, err, peak = peak_rss_mb(["convert", str(bad), str(tmp_path / "out")], timeout=300)
+    assert rc == 2, err
+    assert "layer 0 has no attn_norm.weight tensor: not a complete model" in err.strip().splitlines()[-1]
+    assert peak < 1500 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "drop, message",
+    [
+        (("token_embd",), "has no token_embd.weight matrix"),
+        (("blk.1.attn_q",), "layer 1 has no attn_q.weight or attn_qkv.weight or attn_q_a.weight tensor"),
+        (("blk.0.ffn_down", "blk.1.ffn_down", "blk.2.ffn_down"), "layer 0 has no ffn_down.weight or ffn_down_exps"),
+    ],
+)
+def test_missing_tensors_are_refused(tiny_gguf, tmp_path, drop, message):
+    with pytest.raises(KHAError, match=re.escape(message)):
+        load_causal_lm(rebuilt(tiny_gguf, tmp_path / "bad.gguf", drop=drop))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma3_text"])
+def test_every_exportable_family_passes_the_check(family, tmp_path):
+    """The check refuses nothing real: kha's own exports of each family (Phi-3's fused gate_up included)."""
+    from kha_hf.common.gguf_header import check_gguf_header
+
+    tiny_kha(tmp_path / "kha", family)
+    assert main(["fold", str(tmp_path / "kha"), str(tmp_path / "m.gguf")]) == 0
+    check_gguf_header(tmp_path / "m.gguf")
