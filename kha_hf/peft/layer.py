@@ -17,8 +17,10 @@ from torch import nn
 from ..modeling.families import TARGETS, segment_rows
 from ..modeling.knocks import apply_knock_plan, build_knock, fold_projection
 
-# A knock whose condition number is above this cannot be inverted reliably in float64 (unmerge's inverse)
-MAX_MERGE_CONDITION = 1e12
+# unmerge() inverts the knock on weights stored in float32: their rounding (about 6e-8) grows by the knock's condition
+# number, so above 1e4 a merge and unmerge would leave the stock weights visibly changed (relative error 1.8e-5 at
+# 1e4, 0.17 at 1e8, 20 at 3e11: measured by the round-5 review); such a knock is not merged
+MAX_MERGE_CONDITION = 1e4
 
 
 class KnockSet(nn.Module):
@@ -69,7 +71,7 @@ class KnockLayer(nn.Module, BaseTunerLayer):
         return result
 
     # -- merging (linear knocks only): the fold rule of `kha fold`, per head, biases included --------------------
-    def _fold_rows(self, name: str) -> list[tuple[str, list[tuple[int, int]], torch.Tensor]]:
+    def _fold_rows(self, name: str, action: str = "merge") -> list[tuple[str, list[tuple[int, int]], torch.Tensor]]:
         knocks = self.knock_sets[name]
         folds = []
         for target in TARGETS:
@@ -87,12 +89,14 @@ class KnockLayer(nn.Module, BaseTunerLayer):
                     f"NaNs detected in the merged weights. The adapter {name} seems to be broken "
                     f"(its {target} knock holds NaN or infinite values; nothing was merged)"
                 )
-            if not torch.linalg.cond(knock.weight.detach().double()) <= MAX_MERGE_CONDITION:  # inf or NaN if singular
-                # unmerge() and disable_adapter() invert the knock: a singular one would leave the stock projection
-                # unrecoverable in memory
+            condition = float(torch.linalg.cond(knock.weight.detach().double()))
+            if not condition <= MAX_MERGE_CONDITION:  # inf or NaN if singular
+                # unmerge() and disable_adapter() invert the knock: a singular or ill-conditioned one would leave
+                # the stock projection unrecoverable in memory
                 raise ValueError(
-                    f"adapter {name!r}: the {target} knock is singular (not invertible), so a merge could not be "
-                    "undone; refusing to merge (nothing was changed)"
+                    f"adapter {name!r}: the {target} knock is singular or ill-conditioned (condition number "
+                    f"{condition:.3g}, at most {MAX_MERGE_CONDITION:.0e}), so a merge could not be undone exactly; "
+                    f"refusing to {action} (nothing was changed)"
                 )
             rows = segment_rows(self.placement["config"], self.placement["blocks"], target)
             folds.append((target, rows, knock.weight.detach()))
@@ -125,9 +129,11 @@ class KnockLayer(nn.Module, BaseTunerLayer):
         float rounding, not bit for bit)."""
         base = self.get_base_layer()
         while self.merged_adapters:
-            name = self.merged_adapters.pop()
+            name = self.merged_adapters[-1]
+            folds = self._fold_rows(name, action="unmerge")  # a knock changed since its merge: refused, still merged
+            self.merged_adapters.pop()
             weight, bias = base.weight.data, None if base.bias is None else base.bias.data
-            for _, rows, knock in reversed(self._fold_rows(name)):
+            for _, rows, knock in reversed(folds):
                 inverse = torch.linalg.inv(knock.double())
                 weight = fold_projection(weight, inverse, rows)
                 bias = None if bias is None else fold_projection(bias, inverse, rows)

@@ -62,6 +62,9 @@ def check_knock_state_dict(
             f"knock adapter {adapter_name!r} holds {len(others)} tensors that are neither knocks nor of a module "
             f"its modules_to_save names: {others[:2]} (they would replace the base model's weights)"
         )
+    for key, tensor in given_state.items():  # the modules_to_save tensors too: NaN there made every logit NaN
+        if key not in given and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"knock adapter {adapter_name!r}: {key} holds NaN or infinite values")
     missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
     if missing or extra:
         raise ValueError(

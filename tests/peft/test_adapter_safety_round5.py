@@ -58,7 +58,7 @@ def test_a_singular_knock_is_not_merged_and_the_stock_model_stays_recoverable(ll
     before = v_proj.weight.detach().clone()
     with torch.no_grad():
         _v_knock(peft_model).zero_()
-    with pytest.raises(ValueError, match="the v knock is singular .* refusing to merge"):
+    with pytest.raises(ValueError, match="the v knock is singular or ill-conditioned .* refusing to merge"):
         peft_model.merge_adapter()
     assert torch.equal(v_proj.weight, before)
     with torch.no_grad(), peft_model.disable_adapter():  # raised LinAlgError before the fix
@@ -118,3 +118,46 @@ def test_a_saved_and_reloaded_adapter_is_bitwise_the_same(family, tmp_path):
     reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
         assert torch.equal(reloaded(IDS).logits, adapted(IDS).logits)
+
+
+def _ill_conditioned(size: int, condition: float) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(size, size, generator=torch.Generator().manual_seed(0)))
+    return q @ torch.diag(torch.logspace(0, -torch.log10(torch.tensor(condition)).item(), size)) @ q.T
+
+
+def test_an_ill_conditioned_knock_is_not_merged(llama_base):  # noqa: F811
+    """The review's finding: condition numbers between 1e4 and 1e12 merged, and unmerging in float32 left the stock
+    weights 0.17 (1e8) to 20 (3e11) off in relative terms, in silence."""
+    peft_model = _adapter(llama_base, "linear_v")
+    v_proj = peft_model.base_model.model.model.layers[0].self_attn.v_proj.base_layer
+    before = v_proj.weight.detach().clone()
+    with torch.no_grad():
+        knock = _v_knock(peft_model)
+        knock.copy_(_ill_conditioned(knock.shape[0], 1e8))
+    with pytest.raises(ValueError, match=r"ill-conditioned \(condition number [0-9.e+]+, at most 1e\+04\)"):
+        peft_model.merge_adapter()
+    assert torch.equal(v_proj.weight, before)
+
+
+def test_a_knock_changed_after_its_merge_is_refused_and_stays_merged(llama_base):  # noqa: F811
+    peft_model = _adapter(llama_base, "linear_v")
+    v_layer = peft_model.base_model.model.model.layers[0].self_attn.v_proj
+    peft_model.merge_adapter()
+    merged = v_layer.base_layer.weight.detach().clone()
+    with torch.no_grad():
+        _v_knock(peft_model).zero_()
+    with pytest.raises(ValueError, match="refusing to unmerge"):
+        peft_model.unmerge_adapter()
+    assert v_layer.merged_adapters == ["default"] and torch.equal(v_layer.base_layer.weight, merged)
+
+
+def test_nan_in_a_modules_to_save_tensor_is_refused(llama_base, tmp_path):  # noqa: F811
+    peft_model = _adapter(llama_base, "linear_v", modules_to_save=["lm_head"])
+    peft_model.save_pretrained(tmp_path / "adapter")
+    path = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(path)
+    (key,) = [k for k in tensors if "lm_head" in k]
+    tensors[key] = torch.full_like(tensors[key], float("nan"))
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lm_head.* holds NaN or infinite values"):
+        PeftModel.from_pretrained(_stock(llama_base), tmp_path / "adapter")
