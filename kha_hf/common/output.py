@@ -8,6 +8,7 @@ import errno
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -193,6 +194,9 @@ def atomic_output_file(path: str | Path, overwrite: bool = False) -> Iterator[Pa
 
 # `.kha-file-<random><suffix>`: a file being written by `atomic_output_file`, locked (flock) by its writer
 PARTIAL_FILE_PREFIX = ".kha-file-"
+# exactly what tempfile.mkstemp makes of the prefix: 8 characters of [a-z0-9_], then the suffix (a user's own
+# `.kha-file-notes.gguf` does not match)
+PARTIAL_FILE_NAME = re.compile(re.escape(PARTIAL_FILE_PREFIX) + r"[a-z0-9_]{8}\.[A-Za-z0-9]+")
 STALE_FILE_SECONDS = 60  # a file this old and unlocked is no run's: one just made is locked within microseconds
 
 
@@ -206,8 +210,10 @@ def remove_stale_partial_files(folder: Path, suffix: str) -> list[Path]:
         entries = list(os.scandir(folder))
     except OSError:
         return removed
+    if not suffix:  # every output file kha writes has a suffix (.gguf, .png): nothing else is looked at
+        return removed
     for entry in entries:
-        if not (entry.name.startswith(PARTIAL_FILE_PREFIX) and entry.name.endswith(suffix)):
+        if not PARTIAL_FILE_NAME.fullmatch(entry.name) or not entry.name.endswith(suffix):
             continue
         try:
             if not entry.is_file(follow_symlinks=False):

@@ -32,6 +32,19 @@ def release(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3])
 
 
+def _below(version: str, floor: str) -> bool:
+    """True when VERSION comes before FLOOR by PEP 440 (5.16.1rc1 and 5.16.1.dev0 come before 5.16.1); a string
+    packaging cannot read is compared by its numbers."""
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # packaging comes with transformers and pip; without it, the numbers
+        return release(version) < release(floor)
+    try:
+        return Version(version) < Version(floor)
+    except InvalidVersion:
+        return release(version) < release(floor) or not release(version)
+
+
 def installed_version(distribution: str) -> str | None:
     """The installed version of DISTRIBUTION, or None when it is not installed (read from its metadata, no import)."""
     try:
@@ -47,7 +60,7 @@ def check_transformers(version: str | None = None) -> None:
     version = installed_version("transformers") if version is None else version
     if version is None:
         return
-    if release(version) < release(TRANSFORMERS_FLOOR):
+    if _below(version, TRANSFORMERS_FLOOR):
         raise UnsupportedTransformers(
             f"kha-hf supports transformers>={TRANSFORMERS_FLOOR} (tested up to {TRANSFORMERS_TESTED}); installed: "
             f"{version}: pip install 'transformers>={TRANSFORMERS_FLOOR}'"

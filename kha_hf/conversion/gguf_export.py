@@ -229,8 +229,9 @@ def check_gguf_destination(out: Path, overwrite: bool) -> None:
                 raise KHAError(f"{out} exists and is not a GGUF file; --overwrite replaces GGUF files only")
         if not written_by_kha(out):
             raise KHAError(
-                f"{out} is a GGUF file that kha did not write (it has no {KHA_GGUF_MARKER} metadata); "
-                "--overwrite replaces only GGUF files kha wrote: choose another name or remove it yourself"
+                f"{out} is a GGUF file that kha did not write, or one that cannot be read (no {KHA_GGUF_MARKER} "
+                "metadata found); --overwrite replaces only GGUF files kha wrote: choose another name or remove it "
+                "yourself"
             )
 
 

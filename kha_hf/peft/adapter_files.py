@@ -110,6 +110,11 @@ def read_knock_adapter(folder: str | Path) -> TrainedKnocks:
     return TrainedKnocks(config.knock_types, config.knock_layers, config.base_model_type, knocks, folder.absolute())
 
 
+def looks_like_a_path(text: str) -> bool:
+    """True for what can only be a path, never a Hub id (`./m`, `../m`, `/m`, `~/m`, `m/`, three or more parts)."""
+    return text.startswith((".", "/", "~")) or text.endswith("/") or text.count("/") >= 2
+
+
 def write_knock_adapter(
     kha_dir: str | Path, out: str | Path, base: str | None = None, overwrite: bool = False
 ) -> tuple[Path, int]:
@@ -123,6 +128,8 @@ def write_knock_adapter(
     from .convert import knock_adapter_from_kha
 
     kha_dir = Path(kha_dir).expanduser()
+    if base is not None and not Path(base).expanduser().exists() and looks_like_a_path(str(base)):
+        raise KHAError(f"--base {base}: no such folder (give the base model's folder or its Hub id)")
     out = check_destination(out, [kha_dir], overwrite)
     if not kha_dir.is_dir():
         raise KHAError(f"{kha_dir} is not a folder: KHA_DIR must be a KHA checkpoint folder")

@@ -59,6 +59,12 @@ def test_no_upper_bound_on_the_libraries_kha_hf_follows():
         assert "<" not in requirement(section, key, name), f"{name} is capped in setup.cfg"
 
 
+@pytest.mark.parametrize("version", ["5.16.1rc1", "5.16.1.dev0", "5.16rc1", "5.16.0.post1", "dev"])
+def test_pre_releases_of_the_floor_are_below_it(version):
+    with pytest.raises(UnsupportedTransformers):
+        check_transformers(version)
+
+
 def test_below_the_floor_is_one_line_naming_the_range():
     with pytest.raises(UnsupportedTransformers) as err:
         check_transformers("5.15.2")

@@ -25,7 +25,7 @@ def test_overwrite_replaces_only_a_gguf_kha_wrote(kha, tmp_path, capsys):  # noq
     asset.write_bytes(smollm2_gguf().read_bytes())
     before = asset.stat().st_size
     err = fold_error(capsys, kha, asset, "--overwrite")
-    assert "is a GGUF file that kha did not write" in err and "kha.written_by" in err
+    assert "is a GGUF file that kha did not write, or one that cannot be read" in err and "kha.written_by" in err
     assert asset.stat().st_size == before
     ours = tmp_path / "ours.gguf"
     assert main(["fold", str(kha), str(ours)]) == 0
@@ -63,3 +63,15 @@ def test_a_running_exports_temporary_file_is_kept(tmp_path):
         os.utime(tmp, (old, old))
         assert remove_stale_partial_files(tmp_path, ".gguf") == []  # locked by this run
         assert tmp.exists()
+
+
+def test_a_users_file_that_merely_looks_like_a_partial_is_kept(kha, tmp_path):  # noqa: F811
+    """The review's finding: `.kha-file-notes.gguf`, a user's own file two minutes old, was deleted by the next
+    export; only names that tempfile makes (8 characters of [a-z0-9_]) are kha's."""
+    notes = tmp_path / f"{PARTIAL_FILE_PREFIX}notes.gguf"
+    notes.write_text("mine")
+    old = time.time() - 120
+    os.utime(notes, (old, old))
+    assert main(["fold", str(kha), str(tmp_path / "m.gguf")]) == 0
+    assert notes.read_text() == "mine"
+    assert remove_stale_partial_files(tmp_path, "") == []  # no suffix: nothing is looked at

@@ -39,3 +39,13 @@ def test_a_relative_base_is_recorded_absolute_and_loads_from_elsewhere(tmp_path,
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(tmp_path / "m" / "llama").eval()(IDS).logits
         assert_close(loaded(IDS).logits, expected, what="the recorded base, not the one under the new cwd")
+
+
+def test_a_base_path_that_does_not_exist_is_refused(tmp_path, capsys):
+    """The review's finding: `--base ./nosuch` and `--base ~/nosuch` were recorded as typed; a Hub id still is."""
+    save_tiny_checkpoint(tmp_path / "llama", "llama")
+    assert main(["convert", str(tmp_path / "llama"), str(tmp_path / "kha")]) == 0
+    for base in ("./nosuch", "~/nosuch-kha-test", "../x/y/z"):
+        _refused(["adapter", str(tmp_path / "kha"), str(tmp_path / "out"), "--base", base], capsys, "no such folder")
+    assert main(["adapter", str(tmp_path / "kha"), str(tmp_path / "out"), "--base", "me/llama"]) == 0
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["base_model_name_or_path"] == "me/llama"
