@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lowest end of kha-hf's supported range: the fast tier of the tests that matter there (conversion, fold, PEFT,
 # eval, the model code, remote code rules, the version checks), run by kha-hf as installed in vLLM's environment
-# (`bash scripts/install.sh vllm`: transformers 5.16.1, peft 0.20.0, accelerate 1.13.0, lm-eval 0.4.11, trl 1.9.0).
+# (`bash scripts/install.sh vllm`: transformers 5.16.1, peft 0.20.0, accelerate 1.13.0, trl 1.9.0, lm-eval 0.4.13).
 # The vLLM tests themselves run from the main suite, against this same environment. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

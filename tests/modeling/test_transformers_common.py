@@ -217,6 +217,11 @@ def _other_family_test(model_type: str) -> type:
             "hybrid model: only its softmax-attention layers return attention weights, and the mixin counts one per "
             "layer; stock Qwen3NextForCausalLM fails it identically (transformers 5.24)"
         )(lambda self: None)
+    if model_type == "deepseek_v3":
+        attributes["test_tp_plan_matches_params"] = unittest.skip(
+            "the family's TP plan (transformers 5.25) lists both q_proj and q_b_proj, and a model has one of them "
+            "(q_lora_rank set here: q_b_proj); stock DeepseekV3ForCausalLM of this config fails it identically"
+        )(lambda self: None)
     name = f"KHA{CONFIG_MAPPING[model_type].__name__.removesuffix('Config')}CommonTest"
     return type(name, (_KHACommonTests, unittest.TestCase), attributes)
 
