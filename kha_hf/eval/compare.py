@@ -391,6 +391,9 @@ def run_eval(
 
     ADAPTER: a knock adapter folder (PEFT) of BASELINE; the candidate is then BASELINE with the adapter (CANDIDATE
     must be None), so the comparison is base vs base + adapter, paired per document."""
+    from ..common.supported_versions import LM_EVAL_FLOOR, require
+
+    require("lm_eval", LM_EVAL_FLOOR, "kha eval")
     if adapter is not None:
         if candidate is not None or baseline is None:
             raise KHAError(

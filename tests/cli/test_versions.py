@@ -133,3 +133,19 @@ def test_kha_version_names_the_libraries_it_runs_on():
         f"kha-hf {__version__} (transformers {version('transformers')}, torch {version('torch')}, "
         f"peft {version('peft')})"
     )
+
+
+def test_kha_eval_on_an_lm_eval_below_its_floor_is_one_line(tmp_path):
+    """lm-eval 0.4.11 (Axolotl 0.19's pin) lacks the task loader kha eval uses: a ModuleNotFoundError before."""
+    info = tmp_path / "fake" / "lm_eval-0.4.11.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lm_eval\nVersion: 0.4.11\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), str(ROOT)])}
+    code = (
+        "from kha_hf.eval.compare import run_eval\n"
+        "try:\n    run_eval('a', 'b')\nexcept Exception as err:\n    print(err)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert run.stdout.strip() == ("kha eval needs lm_eval>=0.4.13, installed: 0.4.11: pip install 'lm_eval>=0.4.13'"), (
+        run.stdout + run.stderr[-2000:]
+    )
