@@ -32,14 +32,6 @@ def _integer(reader, key: str) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _shape(reader, name: str) -> list[int] | None:
-    """A tensor's shape as GGUF stores it (ne[0] first: the input dimension of a weight matrix), or None."""
-    for tensor in reader.tensors:
-        if tensor.name == name:
-            return [int(n) for n in tensor.shape]
-    return None
-
-
 def check_gguf_header(path: Path) -> None:
     """KHAError (one line) when PATH's layer count, widths, vocabulary, head counts or context contradict its
     tensors or exceed any model's; nothing is allocated from the file's numbers."""
@@ -59,7 +51,13 @@ def check_gguf_header(path: Path) -> None:
     if not isinstance(arch, str) or not re.fullmatch(r"[a-z0-9_]{1,64}", arch):
         raise KHAError(f"{path.name} names no model architecture (general.architecture)")
     where = path.name
-    blocks = {int(match.group(1)) for t in reader.tensors if (match := BLOCK.match(t.name))}
+    # each tensor's shape as GGUF stores it (ne[0] first: the input dimension of a weight matrix), read once
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    kinds: dict[int, set[str]] = {}  # layer -> the names of its tensors after `blk.<i>.`
+    for name in shapes:
+        if match := BLOCK.match(name):
+            kinds.setdefault(int(match.group(1)), set()).add(name[match.end() :])
+    blocks = set(kinds)
     layers = _integer(reader, f"{arch}.block_count")
     if layers is None or not 0 < layers <= MAX_LAYERS:
         raise KHAError(f"{where}: {arch}.block_count {layers} is not a layer count (1 to {MAX_LAYERS})")
@@ -67,20 +65,19 @@ def check_gguf_header(path: Path) -> None:
         held = f"layers 0 to {max(blocks)}" if blocks else "no layers"
         raise KHAError(f"{where}: {arch}.block_count says {layers} layers, its tensors hold {held}")
     # transformers creates every tensor the file lacks at the sizes its metadata states (a file without its real
-    # tensors would allocate from its numbers alone and convert to random weights): the embedding, each layer's
-    # norm, attention and MLP must be there, every layer holding what layer 0 holds
-    kinds = {i: {t.name.split(".", 2)[2] for t in reader.tensors if t.name.startswith(f"blk.{i}.")} for i in blocks}
+    # tensors would allocate from its numbers alone and convert to random weights): the embedding and each layer's
+    # norm, attention and MLP must be there
     needed = (("attn_norm.weight",), ("attn_q.weight", "attn_qkv.weight", "attn_q_a.weight"), ("attn_output.weight",))
     needed += (("ffn_down.weight", "ffn_down_exps.weight"),)  # a dense or a MoE MLP (DeepSeek mixes both)
     for i in sorted(kinds):
         for options in needed:
             if not any(option in kinds[i] for option in options):
                 raise KHAError(f"{where}: layer {i} has no {' or '.join(options)} tensor: not a complete model")
-    embedding = _shape(reader, "token_embd.weight")  # [hidden, vocab]
+    embedding = shapes.get("token_embd.weight")  # [hidden, vocab]
     width = _integer(reader, f"{arch}.embedding_length")
     if embedding is None or len(embedding) != 2:
         raise KHAError(f"{where} has no token_embd.weight matrix: not a complete model")
-    norm = _shape(reader, "blk.0.attn_norm.weight")
+    norm = shapes.get("blk.0.attn_norm.weight")
     if norm is not None and norm[0] != width:
         raise KHAError(f"{where}: {arch}.embedding_length {width} differs from attn_norm's width {norm[0]}")
     if width != embedding[0]:
@@ -88,8 +85,8 @@ def check_gguf_header(path: Path) -> None:
     vocab = _integer(reader, f"{arch}.vocab_size")
     if vocab is not None and vocab != embedding[1]:
         raise KHAError(f"{where}: {arch}.vocab_size {vocab} differs from token_embd's {embedding[1]} rows")
-    up = _shape(reader, "blk.0.ffn_up.weight")  # [hidden, intermediate] (dense layers; MoE: ffn_up_exps)
-    down = _shape(reader, "blk.0.ffn_down.weight")  # [intermediate, hidden]
+    up = shapes.get("blk.0.ffn_up.weight")  # [hidden, intermediate] (dense layers; MoE: ffn_up_exps)
+    down = shapes.get("blk.0.ffn_down.weight")  # [intermediate, hidden]
     feed_forward = _integer(reader, f"{arch}.feed_forward_length")
     # ffn_down's input is the intermediate width in every family (Phi-3's ffn_up is gate and up fused: twice it)
     dense = down[0] if down is not None and len(down) == 2 else up[1] if up is not None and len(up) == 2 else None
@@ -104,7 +101,7 @@ def check_gguf_header(path: Path) -> None:
         value = _integer(reader, key)
         if value is not None and not 0 <= value <= cap:
             raise KHAError(f"{where}: {key} {value} is beyond any model's ({cap} at most)")
-    query = _shape(reader, "blk.0.attn_q.weight")  # [hidden, heads * head_dim]
+    query = shapes.get("blk.0.attn_q.weight")  # [hidden, heads * head_dim]
     heads = _integer(reader, f"{arch}.attention.head_count")
     if query is not None and len(query) == 2 and heads and query[1] % heads:
         raise KHAError(f"{where}: {heads} attention heads do not divide attn_q's {query[1]} outputs")
