@@ -55,19 +55,55 @@ class KnockLayer(nn.Module, BaseTunerLayer):
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, *args: Any, adapter_names: list[str] | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        self._check_forward_args(x, adapter_names)
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()
             return self.base_layer(x, *args, **kwargs)
         result = self.base_layer(x, *args, **kwargs)
+        if adapter_names is not None:
+            return self._mixed_batch_forward(result, adapter_names)
         if self.merged:
             return result
         for name in self.active_adapters:
-            knocks = self.knock_sets[name] if name in self.knock_sets else None
-            if knocks is not None:
-                dtype = next(knocks.parameters()).dtype
-                result = apply_knock_plan(knocks.plan, result.to(dtype), knocks).to(result.dtype)
+            if name in self.knock_sets:
+                result = self._knock(name, result)
+        return result
+
+    def _knock(self, name: str, result: torch.Tensor) -> torch.Tensor:
+        """RESULT (..., out), the projection's output, with ADAPTER NAME's knocks applied (in the knocks' dtype)."""
+        knocks = self.knock_sets[name]
+        dtype = next(knocks.parameters()).dtype
+        return apply_knock_plan(knocks.plan, result.to(dtype), knocks).to(result.dtype)
+
+    # -- mixed adapter batches (`adapter_names=`, one adapter per row, "__base__" for none), as PEFT's LoRA does ---
+    def _check_forward_args(self, x: torch.Tensor, adapter_names: list[str] | None) -> None:
+        """PEFT's own errors (`LoraLayer._check_forward_args`): a list as long as the batch, and no merged adapter."""
+        if adapter_names is None:
+            return
+        if len(x) != len(adapter_names):
+            raise ValueError(
+                "Length of `adapter_names` should be the same as the number of inputs, but got "
+                f"{len(adapter_names)} and {len(x)} respectively."
+            )
+        if self.merged:
+            raise ValueError(
+                "Cannot pass `adapter_names` when there are merged adapters, please call `unmerge_adapter` first."
+            )
+
+    def _mixed_batch_forward(self, result: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
+        """RESULT (batch, ..., out), the projection's output, with row i knocked by ADAPTER_NAMES[i]'s knocks; rows
+        of "__base__", or of an adapter without knocks on this projection (e.g. k_proj under linear_v), unchanged.
+        Each adapter's rows go through its own knock plan, so adapters of different presets mix."""
+        result = result.clone()  # the base layer's output is not changed in place
+        for name in dict.fromkeys(adapter_names):
+            if name == "__base__" or name not in self.knock_sets:
+                continue
+            rows = [i for i, item in enumerate(adapter_names) if item == name]
+            result[rows] = self._knock(name, result[rows])
         return result
 
     # -- merging (linear knocks only): the fold rule of `kha fold`, per head, biases included --------------------

@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import re
 import zlib
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from peft.tuners.tuners_utils import BaseTuner
+from peft.utils import AuxiliaryTrainingWrapper
 from torch import nn
 
 from ..modeling.families import (
@@ -81,14 +83,20 @@ def check_knock_state_dict(
             raise ValueError(f"knock adapter {adapter_name!r}: {key} is not finite floating point ({tensor.dtype})")
 
 
+def _adapter_names_pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
+    """A forward pre-hook that hands ADAPTER_NAMES to a knock layer or modules_to_save wrapper (peft's LoRA hook)."""
+    kwargs["adapter_names"] = adapter_names
+    return args, kwargs
+
+
 INIT_PERTURBATION = 0.02  # init_weights=False: the knocks' distance from the identity (each entry's std)
 
 
-def perturb_knocks(knocks: nn.Module, module_name: str) -> None:
+def perturb_knocks(knocks: nn.Module, module_name: str, adapter_name: str = "default") -> None:
     """`init_weights=False`: add seeded noise (std INIT_PERTURBATION) to every knock parameter of KNOCKS, the seed
-    taken from MODULE_NAME, so the same model and config always give the same adapter; linear knocks stay
-    invertible (I + small noise), the MLP gate leaves 0."""
-    generator = torch.Generator().manual_seed(zlib.crc32(module_name.encode()))
+    taken from MODULE_NAME and ADAPTER_NAME, so the same model, config and adapter name always give the same adapter,
+    and two adapters of one model differ; linear knocks stay invertible (I + small noise), the MLP gate leaves 0."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{module_name}/{adapter_name}".encode()))
     with torch.no_grad():
         for param in knocks.parameters():
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
@@ -212,7 +220,7 @@ class KnockModel(BaseTuner):
                 layer.requires_grad_(False)  # an added adapter is not trainable until it is set active
             self._replace_module(parent, target_name, layer, target)
         if not peft_config.init_weights:
-            perturb_knocks(layer.knock_sets[adapter_name], current_key)
+            perturb_knocks(layer.knock_sets[adapter_name], current_key, adapter_name)
 
     @classmethod
     def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
@@ -242,15 +250,37 @@ class KnockModel(BaseTuner):
 
     @contextlib.contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any):
-        """PEFT calls this around forward and generate with their special arguments. Mixed adapter batches
-        (`adapter_names=`, one adapter per row) are not implemented for knocks yet: refused in one line, where PEFT
-        would otherwise drop the argument and run every row with the active adapter."""
-        if kwargs.get("adapter_names") is not None:
-            raise ValueError(
-                "knock adapters do not support mixed adapter batches (adapter_names=) yet: run each adapter's rows "
-                "separately with set_adapter(...)"
-            )
-        yield
+        """PEFT calls this around forward and generate with their special arguments. `adapter_names=` (one adapter
+        name per row, "__base__" for none) runs a mixed adapter batch: each knock layer, and each modules_to_save
+        wrapper, gets the list through a forward pre-hook, as PEFT's LoRA does (`LoraModel._enable_peft_forward_hooks`,
+        peft 0.21), with PEFT's own errors."""
+        adapter_names = kwargs.pop("adapter_names", None)
+        if adapter_names is None:
+            yield
+            return
+        if self.training:
+            raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+        # one layer may lack an adapter (linear_v has no knock on k_proj): an adapter must be somewhere in the model
+        expected = {name for module in self.modules() if isinstance(module, KnockLayer) for name in module.knock_sets}
+        unexpected = {name for name in adapter_names if name != "__base__"} - expected
+        if unexpected:
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unexpected))}")
+        num_beams = kwargs.get("num_beams")
+        if isinstance(num_beams, int) and num_beams > 1:  # generate repeats each row num_beams times
+            if not isinstance(adapter_names, (list, tuple)):
+                raise TypeError(f"Got adapter names of type {type(adapter_names)}, expected a list of str.")
+            adapter_names = [name for name in adapter_names for _ in range(num_beams)]
+        inject = partial(_adapter_names_pre_forward_hook, adapter_names=list(adapter_names))
+        handles = [
+            module.register_forward_pre_hook(inject, with_kwargs=True)
+            for module in self.modules()
+            if isinstance(module, (KnockLayer, AuxiliaryTrainingWrapper))
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _check_merge_allowed(self) -> None:
         super()._check_merge_allowed()
