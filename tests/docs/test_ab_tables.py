@@ -1,5 +1,6 @@
-"""README's adapter A/B tables are the recorded runs' numbers: every row that benchmarks/ab_adapters_table.py prints
-from docs/ab_adapters/*.json stands in README.md as printed (a rerun that changes a summary must change README)."""
+"""The adapter A/B tables are the recorded runs' numbers: every row that benchmarks/ab_adapters_table.py prints from
+docs/ab_adapters/*.json stands in docs/does-kha-help.md as printed, and every such row README.md quotes (its headline
+verdict) is one of them (a rerun that changes a summary must change both pages)."""
 
 import subprocess
 import sys
@@ -32,7 +33,12 @@ def test_readme_rows_are_the_summary(name):
         text=True,
         check=True,
     ).stdout
-    rows = [line for line in out.splitlines() if line.startswith(f"| {model} |")]
+    rows = [line for line in out.splitlines() if line.startswith(f"| {model} | {domain} |")]
     assert len(rows) >= 7, out  # four arms, three comparisons
-    readme = (ROOT / "README.md").read_text()
-    assert [row for row in rows if row not in readme] == []
+    page = (ROOT / "docs" / "does-kha-help.md").read_text()
+    assert [row for row in rows if row not in page] == []
+    quoted = [
+        line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| {model} | {domain} |")
+    ]
+    assert quoted, f"README's headline verdict quotes no {model} {domain} row"
+    assert [row for row in quoted if row not in rows] == []
