@@ -189,7 +189,8 @@ FLAG = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")
 
 def stale_flags(markdown: str) -> list[tuple[int, str, str]]:
     """(line, command, flag) for each `kha COMMAND ... --flag` whose parser lacks the flag. A command runs to the end
-    of its line (a trailing backslash continues it), to an inline code span's end, or to `#`, `|`, `;`, `&&`."""
+    of its line (a trailing backslash continues it), to an inline code span's end, to the next `kha`, or to `#`,
+    `|`, `;`, `&&`."""
     parser = cli_parser()
     subs = subcommands(parser)
     found = []
@@ -203,7 +204,7 @@ def stale_flags(markdown: str) -> list[tuple[int, str, str]]:
         for m in COMMAND.finditer(line):
             word = m.group(1)
             rest = line[m.end(1) :]
-            rest = re.split(r"`|\s#|\s\||;|&&|\$\(|\)", rest, maxsplit=1)[0]
+            rest = re.split(r"`|\s#|\s\||;|&&|\$\(|\)|\skha\s", rest, maxsplit=1)[0]  # up to the next command
             if word.startswith("--"):
                 command, known, rest = "kha", flags(parser), word + rest
             elif word in subs:
