@@ -59,6 +59,7 @@ SLOW_PATHS = (
     "tests/cli/test_file_size_limit_round5.py",
     "tests/peft/test_eval_adapter.py",
     "tests/peft/test_trl.py",
+    "tests/peft/test_peft_upstream.py",
     "tests/eval/test_eval.py",
 )
 SLOW_NAMES = ("remote_code", "fresh_process", "without_kha_hf", "permutation_test_memory", "unreachable_hub")
