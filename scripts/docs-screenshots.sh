@@ -47,4 +47,5 @@ shoot() {  # NAME PATH WIDTH HEIGHT
 shoot home "" 1600 1400
 shoot guide-convert "guides/convert/" 1600 1400
 shoot reference-cli "reference/cli/" 1600 1400
+shoot reference-api "reference/api/" 1600 2400
 shoot home-narrow "" 420 1000

@@ -473,6 +473,20 @@ class KHAConfig(PreTrainedConfig):
         """Build a KHA config from a stock config (object or dict) of a supported family.
 
         `knock` names a preset; `knock_q` / `knock_k` / `knock_v` keyword arguments override single targets.
+
+        Args:
+            base_config: the stock config, e.g. `Qwen3Config(...)` or `AutoConfig.from_pretrained(...).to_dict()`.
+            knock: a preset of `kha_hf.KNOCK_PRESETS` (default `mlp_v`), or `None` for the fields' defaults.
+            knock_layers: the layer indices to knock (default: every softmax-attention layer).
+            **knock_types: `knock_q=`, `knock_k=`, `knock_v=`: `"none"`, `"linear"` or `"mlp"`.
+
+        Returns:
+            A `KHAConfig` with every field of the base config and `base_model_type` set to its `model_type`.
+
+        Raises:
+            ValueError: the config is a KHA config already, its family is not supported (the message names the
+                supported ones), or the knocks do not fit it (an MLP knock on MLA).
+            TypeError: a keyword other than `knock_q`, `knock_k`, `knock_v`.
         """
         base = base_config if isinstance(base_config, dict) else base_config.to_dict()
         model_type = base.get("model_type")

@@ -199,6 +199,22 @@ class KHAPreTrainedModel(PreTrainedModel):
         """As `PreTrainedModel.from_pretrained`; a base (non-KHA) checkpoint loads with identity knocks.
 
         Pass `config=KHAConfig.from_base(...)` to choose the knocks for a base checkpoint, or `knock=PRESET`.
+
+        Args:
+            pretrained_model_name_or_path: a KHA checkpoint, or a checkpoint of a supported base family (folder
+                or Hub id).
+            *model_args: passed on to the family's class.
+            config: a `KHAConfig` (default: read from the checkpoint; for a base checkpoint, its config with the
+                `knock` preset, `mlp_v` unless given).
+            **kwargs: transformers' `from_pretrained` keywords (`torch_dtype`, `device_map`, `revision`, ...),
+                config overrides, and `knock=` / `knock_layers=` for a base checkpoint.
+
+        Returns:
+            The family's concrete subclass of this class (`KHAQwen3ForCausalLM` for a Qwen3 checkpoint), in eval
+            mode, its knocks loaded or, from a base checkpoint, exactly the identity.
+
+        Raises:
+            ValueError: the checkpoint is neither KHA nor of a supported family (the message names the families).
         """
         hub_keys = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
         hub_kwargs = {k: kwargs[k] for k in hub_keys if k in kwargs}
@@ -298,6 +314,23 @@ class KHAPreTrainedModel(PreTrainedModel):
 
         The KHA model shares the base model's tensors (no copy, no extra memory beyond the knocks); deep-copy the
         base model first if both must be trained independently.
+
+        Args:
+            base_model: a stock transformers model of a supported family (`kha_hf.SUPPORTED_BASE_MODEL_TYPES`).
+            knock: a preset (`mlp_v`, the default, `linear_v`, `linear_qkv`, `mlp_v_linear_qk`; `kha_hf.KNOCK_PRESETS`).
+            knock_layers: the layer indices to knock (default: every softmax-attention layer).
+            **knock_types: `knock_q=`, `knock_k=`, `knock_v=` (`"none"`, `"linear"` or `"mlp"`) override single
+                targets of the preset.
+
+        Returns:
+            The KHA model of the base's family, on its device and in its dtype; each knock map is
+            `(head_dim, head_dim)` (MLA: its no-RoPE part) and starts as the identity, so `model(ids).logits`
+            equals `base_model(ids).logits` bit for bit.
+
+        Raises:
+            ValueError: the family is not supported, the preset does not fit it (an MLP knock on MLA), or the base
+                model's tensors are not those the KHA model of its config holds.
+            TypeError: a keyword other than `knock_q`, `knock_k`, `knock_v`.
         """
         config = KHAConfig.from_base(base_model.config, knock=knock, knock_layers=knock_layers, **knock_types)
         config._attn_implementation = base_model.config._attn_implementation
@@ -356,7 +389,11 @@ class KHAPreTrainedModel(PreTrainedModel):
 
 
 class KHAModel(KHAPreTrainedModel):
-    """The decoder body (no LM head) of a KHA model; see `KHAForCausalLM`."""
+    """The decoder body (no LM head) of a KHA model; see `KHAForCausalLM`.
+
+    The family's own body class with knocked attention: `input_ids` of shape `(batch, seq)` give
+    `last_hidden_state` of shape `(batch, seq, hidden_size)`.
+    """
 
     _public_index = 1
     _attention_class: type | None = None
@@ -430,6 +467,12 @@ class KHAForCausalLM(KHAPreTrainedModel, GenerationMixin):
 
     Build one from a config (`KHAForCausalLM(KHAConfig.from_base(base_config))`), upgrade an in-memory model
     (`KHAForCausalLM.from_base(model)`), or load a KHA or base checkpoint with `from_pretrained`.
+
+    The object is the family's own causal LM (`KHAQwen3ForCausalLM` subclasses `Qwen3ForCausalLM`), so `forward`,
+    `generate`, the KV cache and every attention kernel are the family's: `input_ids` of shape `(batch, seq)` give
+    `logits` of shape `(batch, seq, vocab_size)`. Its only difference is in each knocked layer's attention: the
+    knocks, shared by all heads of the layer, act on every head's query / key / value features (each head's
+    `head_dim` features; the KV heads' under GQA) right after the projections, before any q/k norm and RoPE.
     """
 
     _body_class: type | None = None
@@ -496,15 +539,26 @@ class KHAHeadModel(KHAPreTrainedModel):
 
 
 class KHAForSequenceClassification(KHAHeadModel):
-    """A sequence classifier or reward model (the family's `...ForSequenceClassification`) with KHA."""
+    """A sequence classifier or reward model (the family's `...ForSequenceClassification`) with KHA.
+
+    `input_ids` of shape `(batch, seq)` give `logits` of shape `(batch, num_labels)` (the score at each sequence's
+    last non-pad token, so the config needs `pad_token_id` for batches longer than one); `num_labels=1` is a reward
+    model. Build it with `from_base(stock_head_model)` or `from_pretrained`, or let `kha convert` keep the head.
+    """
 
 
 class KHAForTokenClassification(KHAHeadModel):
-    """A token classifier (the family's `...ForTokenClassification`) with KHA."""
+    """A token classifier (the family's `...ForTokenClassification`) with KHA.
+
+    `input_ids` of shape `(batch, seq)` give `logits` of shape `(batch, seq, num_labels)`.
+    """
 
 
 class KHAForQuestionAnswering(KHAHeadModel):
-    """An extractive question-answering model (the family's `...ForQuestionAnswering`) with KHA."""
+    """An extractive question-answering model (the family's `...ForQuestionAnswering`) with KHA.
+
+    `input_ids` of shape `(batch, seq)` give `start_logits` and `end_logits`, each of shape `(batch, seq)`.
+    """
 
 
 PUBLIC_HEADS = {

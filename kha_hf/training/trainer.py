@@ -15,6 +15,24 @@ from .progress import use_readable_progress
 
 
 class KHATrainer(Trainer):
+    """transformers' `Trainer` that never decays the knocks, with an optional knock learning rate.
+
+    Weight decay pulls a weight toward 0, but a knock's neutral value is the identity: a plain `Trainer` with
+    `weight_decay > 0` would pull a converted model away from its base. Every other argument, default and behaviour
+    is `Trainer`'s. On top of it: an evaluation batch never larger than the evaluation set (so a small held-out set
+    still gives an `eval_loss` with `dataloader_drop_last`), `knock_distance` (mean ‖W − W0‖ of the knocks) and
+    `tokens_per_second` in every training log, and, in a run of several processes, a check at the end that every
+    rank holds the same knocks.
+
+    Args:
+        *args: `Trainer`'s positional arguments (`model`, `args`, ...).
+        knock_lr: the knocks' learning rate (default: `args.learning_rate`, as for every other parameter).
+        **kwargs: `Trainer`'s keyword arguments.
+
+    Example:
+        `KHATrainer(model, TrainingArguments("out", weight_decay=0.1), train_dataset=data, knock_lr=1e-3).train()`
+    """
+
     def __init__(self, *args, knock_lr: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._fit_eval_batch_to_eval_set()
