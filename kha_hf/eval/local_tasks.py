@@ -2,10 +2,10 @@
 
 Each task keeps lm-eval's YAML (prompt, choices, metrics); only where the documents come from changes: a
 `custom_dataset` that reads the `datasets.save_to_disk` copy. Differences from a standard (online) run, which the
-README lists too: the copies hold only validation splits (MMLU also dev and test), so tasks whose standard split is
-`test` (arc_easy, arc_challenge, openbookqa, sciq) run on validation, and few-shot examples come from validation
-(lm-eval never uses a document as its own example); BoolQ's copy names its answer `answer` (bool), which becomes
-lm-eval's `label` (0/1).
+docs list too (docs/limitations.md): the copies hold only validation splits (MMLU also dev and test), so tasks whose
+standard split is `test` (arc_easy, arc_challenge, openbookqa, sciq) run on validation, and few-shot examples come
+from validation (lm-eval never uses a document as its own example); BoolQ's copy names its answer `answer` (bool),
+which becomes lm-eval's `label` (0/1).
 """
 
 from __future__ import annotations

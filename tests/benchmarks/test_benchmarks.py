@@ -31,7 +31,7 @@ def test_benchmark_quick_mode_reports(script, extra_args, expected):
 def test_vllm_throughput_table_pairs_rounds():
     """benchmarks/vllm_throughput.py's paired table: each model's ratio is the geometric mean over rounds of its rate
     over the base's in the same round (not a ratio of medians), with a t-interval over rounds. Its --quick mode needs
-    vLLM's environment and four engines (minutes): it ran by hand, see README."""
+    vLLM's environment and four engines (minutes): it ran by hand, see docs/guides/vllm.md."""
     import importlib.util
     import math
 

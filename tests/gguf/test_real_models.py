@@ -149,7 +149,7 @@ def test_smollm2_llama_cpp_runs_the_folded_gguf_token_for_token(smollm2, llamacp
     # stay as close to the float32 model's as the base model's q8_0 file stays to the base (the fold adds no error
     # of its own). llama.cpp's q8_0 kernels also round the activations to 8 bits: on the perturbed model, whose
     # top-2 logit gaps are small (random knocks, not trained ones), greedy paths leave float32 after a few tokens;
-    # measured here and stated in the README, bounded loosely.
+    # measured here and stated in docs/guides/gguf.md, bounded loosely.
     folded_q8 = run_llamacpp(llamacpp, {**job, "model": str(root / "folded-q8_0.gguf")}, tmp_path)["tokens"]
     base_q8 = run_llamacpp(llamacpp, {**job, "model": str(root / "base-q8_0.gguf")}, tmp_path)["tokens"]
     assert folded_q8 != base_q8  # the q8_0 file carries the fold too

@@ -122,7 +122,7 @@ def test_card_snippet_loads_model_and_tokenizer_without_kha_hf_or_a_prompt(tmp_p
 UPSTREAM_PROMPT = (
     "transformers 5.24's AutoTokenizer loads the model config first (tokenization_auto.py, "
     "AutoConfig.from_pretrained), and without kha_hf a KHA config is remote code: it prompts. "
-    "Passing here means transformers changed: drop the README limitation and this mark."
+    "Passing here means transformers changed: drop the limitation in docs/limitations.md and this mark."
 )
 
 

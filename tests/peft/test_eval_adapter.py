@@ -87,7 +87,7 @@ def test_an_adapter_of_another_model_is_refused(base_and_adapter, tmp_path):
 def test_lm_evals_own_peft_route_loads_a_knock_adapter_once_kha_hf_is_imported(tmp_path):
     """`HFLM(pretrained=BASE, peft=DIR)` (`lm_eval --model hf --model_args pretrained=BASE,peft=DIR`) in this
     process, where kha_hf registered the KNOCK type with peft; the `lm_eval` console script does not import kha_hf,
-    and peft then fails on the unknown type (README: the one-line launcher that does)."""
+    and peft then fails on the unknown type (docs/guides/peft.md: the one-line launcher that does)."""
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer

@@ -259,7 +259,8 @@ def test_bad_adapter_files_are_refused_before_loading(llama_base, tmp_path):
 
 def test_without_kha_hf_loading_an_adapter_fails_on_its_type(llama_base, tmp_path):
     """What a user without kha_hf meets: peft 0.21 knows no KNOCK type. The adapter's model card says where it
-    comes from; peft itself raises KeyError('KNOCK') before any code of ours could run (documented in README)."""
+    comes from; peft itself raises KeyError('KNOCK') before any code of ours could run (documented in
+    docs/guides/peft.md)."""
     _adapter(llama_base, "mlp_v").save_pretrained(tmp_path / "adapter")
     card = (tmp_path / "adapter" / "README.md").read_text()
     assert "kha-hf" in card

@@ -8,8 +8,8 @@ transformers' greedy tokens, with each chosen token's log-probability within LOG
 act; each family it cannot run exactly (REFUSED) must be refused at load in one line that names it.
 
 Opt-in (KHA_VLLM_FAMILIES=1, one more load per family): the stock models on vLLM's Transformers backend
-(`model_impl="transformers"`), recorded for the README's family table: where vLLM runs the stock model, the plugin
-must run the KHA model (KHA is refused only where its base is).
+(`model_impl="transformers"`), recorded for the family table (docs/families.md): where vLLM runs the stock model,
+the plugin must run the KHA model (KHA is refused only where its base is).
 """
 
 from __future__ import annotations
