@@ -72,6 +72,27 @@ def verify_conversion(
     """Load both models, print max |Δlogit| and greedy tokens; raise KHAError unless they agree.
 
     Code shipped inside BASE runs only with `trust_remote_code`; KHA_DIR loads with the installed kha_hf classes.
+
+    Args:
+        base: the base checkpoint (folder, Hub id or `.gguf`).
+        kha_dir: the KHA checkpoint folder converted from it (a task head is compared on its head outputs).
+        device: `cpu` (default), `cuda`, ...
+        dtype: `float32` (default: the logits must be identical), `bfloat16` or `float16` (within 1e-2).
+        prompts: the prompts run through both models (default: three short ones).
+        max_new_tokens: greedy tokens generated per prompt and compared (default 16).
+        echo: where the per-prompt lines go (default `print`).
+        tokenizer: a tokenizer for a checkpoint saved without one.
+        trust_remote_code: run code shipped inside BASE (default False).
+        offer_tokenizer: say which `--tokenizer` to pass when a folder has none (default True).
+
+    Returns:
+        A `VerifyReport`: `max_abs_diff` over all prompts, the `tolerance` of the dtype, and each model's greedy
+        tokens (`base_tokens`, `kha_tokens`: one list per prompt); `ok` is True when they agree.
+
+    Raises:
+        KHAError: the models differ (max |Δlogit| above the tolerance, or other greedy tokens), KHA_DIR is not a KHA
+            checkpoint or not a conversion of BASE (another head or label count), a model cannot be loaded, or
+            the logits are not finite.
     """
     from ..common.checks import check_checkpoint_against_config, task_head
     from ..common.loading import (
