@@ -113,6 +113,23 @@ def convert(
         trained_knocks: knocks trained on SRC elsewhere (a knock adapter: `kha_hf.peft.read_knock_adapter(dir)`):
             DST gets them instead of identities, with their knock types and layers (KNOCK and KNOCK_LAYERS must
             then be left unset).
+        src: the base checkpoint: a local folder, a Hub id (`revision`, `token`) or a `.gguf` file.
+        dst: the output folder; it appears only when complete.
+        private: make the `push_to_hub` repository private.
+        overwrite: replace an existing DST, only one a kha tool wrote (its `.kha-output` marker); default False.
+        revision: the Hub revision of SRC.
+        token: a Hub token (default: the one huggingface_hub finds).
+        progress: show progress bars (default True).
+
+    Returns:
+        A `ConversionResult`: `output` (DST), `base_model`, the written `config` (a `KHAConfig`), the knock tensors
+        and shards written, and `missing`: what a usable model of its kind lacks (e.g. a multimodal model's
+        processor files).
+
+    Raises:
+        KHAError: in one line, before DST appears: an unknown preset, a family KHA does not support, a config that
+            does not describe the weights, pickle weights, a link out of SRC, a DST that exists (without
+            `overwrite`) or lies inside SRC, too little free space, or (`verify`) logits that differ.
     """
     knocks_from = trained_knocks
     if knocks_from is not None:
