@@ -4,21 +4,22 @@ transformers builds the model its config describes and then fills it from the we
 three layers over two-layer weights gets a randomly initialised third layer (a warning in a long log), one that
 claims 10^9 layers allocates until the machine runs out of memory, and head counts of 0 or a dtype named
 "float128" end in tracebacks. The tools check first and answer in one line.
+
+These rules read no file: they take a config (dict or object) and the tensor headers that `checkpoint.py` read once
+(`open_checkpoint`), whose `Checkpoint.check` applies them to a folder.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
 import torch
 
-from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, base_config_class, multimodal_text_type
+from ..modeling.configuration_kha import TASK_HEADS, base_config_class
 from ..modeling.families import FAMILIES, family_spec, projection_features
 from .errors import KHAError
-from .loading import read_config_dict
-from .safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index
+from .safetensors_index import TensorInfo
 
 # Architecture sizes that must be positive integers wherever a config has them.
 SIZE_FIELDS = (
@@ -239,39 +240,10 @@ def check_multimodal_weights(config, tensors: dict[str, TensorInfo], where: str)
             )
 
 
-def check_checkpoint_against_config(folder: Path) -> None:
-    """One-line KHAError when FOLDER's config.json cannot describe its safetensors weights."""
-    config = read_config_dict(folder)
-    if config is None:
-        raise KHAError(f"{folder} has no readable config.json: not a transformers checkpoint folder")
-    where = str(folder / "config.json")
-    check_config_numbers(config, where)
-    if not ((folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()):
-        return
-    tensors = read_checkpoint_index(folder)
-    check_weights_match_config(config, tensors, where)
-    is_kha = config.get("model_type") == "kha"
-    head = next((name for name in architectures_of(config, where) if name.endswith(_HEAD_SUFFIXES)), None)
-    check_head_weights(config, _kha_head_name(head) if head else "KHAForCausalLM", tensors, where)
-    model_type = config.get("base_model_type") if is_kha else config.get("model_type")
-    multimodal = multimodal_text_type(model_type) is not None
-    if model_type not in FAMILIES and not multimodal:
-        return  # another architecture: transformers (or its remote code) checks its own
-    fields = {k: v for k, v in config.items() if k != "model_type"}
-    try:
-        built = KHAConfig(**fields) if is_kha else base_config_class(model_type)(**fields)
-    except Exception as err:  # the family's config class rejects what it cannot use, in its own words
-        raise KHAError(f"{where}: {str(err).strip().splitlines()[0]}") from err
-    if multimodal:
-        check_multimodal_weights(built, tensors, where)
-    else:
-        check_attention_layout(built, tensors, where)
-
-
 # The tensors of transformers' task heads (GenericForSequenceClassification / ...ForTokenClassification: `score`,
 # ...ForQuestionAnswering: `qa_outputs`), all at the top level of a checkpoint.
 HEAD_TENSORS = ("score.weight", "qa_outputs.weight")
-_HEAD_SUFFIXES = tuple(name.removeprefix("KHA") for name in TASK_HEADS)  # ForSequenceClassification, ...
+HEAD_SUFFIXES = tuple(name.removeprefix("KHA") for name in TASK_HEADS)  # ForSequenceClassification, ...
 
 
 def architectures_of(config: dict, where: str) -> list[str]:
@@ -285,35 +257,9 @@ def architectures_of(config: dict, where: str) -> list[str]:
     return value
 
 
-def task_head(folder: Path) -> str | None:
-    """What makes FOLDER's checkpoint a task head rather than a language model: the head architecture its config
-    names (`Qwen3ForSequenceClassification`, `KHAForTokenClassification`, ...), or, when the config names none, a
-    head tensor in its weights (`score.weight`); None for a causal LM."""
-    config = read_config_dict(folder) or {}
-    named = next((n for n in architectures_of(config, str(folder / "config.json")) if n.endswith(_HEAD_SUFFIXES)), None)
-    if named is not None:
-        return named
-    if (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file():
-        tensors = read_checkpoint_index(folder)
-        found = next((name for name in HEAD_TENSORS if name in tensors), None)
-        if found is not None and "lm_head.weight" not in tensors:
-            return f"task-head checkpoint (its weights hold {found} and no lm_head)"
-    return None
-
-
-def check_not_task_head(folder: Path) -> None:
-    """A reward model or classifier loaded as a causal LM would get a new, random LM head: refuse in one line."""
-    head = task_head(folder)
-    if head is not None:
-        raise KHAError(
-            f"{folder} is a {head}, not a language model: this command needs a causal LM; load it with its own Auto "
-            "class (e.g. AutoModelForSequenceClassification)"
-        )
-
-
-def _kha_head_name(architecture: str) -> str:
+def kha_head_name(architecture: str) -> str:
     """`Qwen3ForSequenceClassification` or `KHAForSequenceClassification` -> `KHAForSequenceClassification`."""
-    return next("KHA" + suffix for suffix in _HEAD_SUFFIXES if architecture.endswith(suffix))
+    return next("KHA" + suffix for suffix in HEAD_SUFFIXES if architecture.endswith(suffix))
 
 
 def num_labels(config: dict) -> int:

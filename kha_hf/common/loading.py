@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..modeling.configuration_kha import multimodal_text_type
+from .checkpoint import Checkpoint, family_type, open_checkpoint, read_config_dict
 from .errors import KHAError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,17 +91,6 @@ def check_model_ref(ref: str | Path, what: str = "model") -> None:
     if HUB_ID.match(text) and not Path(text.split("/", 1)[0]).is_dir():
         return  # a Hub id: loading says what the Hub answered
     raise KHAError(f"{what} {text!r}: no such file or folder (and not a Hub id of the form owner/name)")
-
-
-def read_config_dict(folder: Path) -> dict | None:
-    """config.json of a local folder as a dict, or None if there is none or it is not a JSON object."""
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    except RecursionError:  # JSON nested thousands deep: no config, and no traceback either
-        raise KHAError(f"{folder / 'config.json'} nests too deeply to be a model config") from None
-    return config if isinstance(config, dict) else None
 
 
 def kha_code_matches_installed(folder: Path) -> bool:
@@ -408,11 +399,7 @@ def _number(value) -> bool:
 
 def is_multimodal_checkpoint(folder: Path) -> bool:
     """True when FOLDER's config.json is a multimodal model around a text decoder (stock or KHA): gemma3, ..."""
-    from ..modeling.configuration_kha import multimodal_text_type
-
-    config = read_config_dict(folder) or {}
-    model_type = config.get("base_model_type") if config.get("model_type") == "kha" else config.get("model_type")
-    return multimodal_text_type(model_type) is not None
+    return multimodal_text_type(family_type(read_config_dict(folder) or {})) is not None
 
 
 def load_causal_lm(
@@ -423,21 +410,25 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     tokenizer: str | Path | None = None,
     offer_tokenizer: bool = True,
+    checked: Checkpoint | None = None,
 ):
     """(model, tokenizer) for REF, in eval mode on DEVICE; code inside REF runs only with `trust_remote_code`.
-    OFFER_TOKENIZER: the command has a --tokenizer option (errors may advise it)."""
+    OFFER_TOKENIZER: the command has a --tokenizer option (errors may advise it). CHECKED: REF's folder as the
+    caller opened and checked it (`open_checkpoint`, `Checkpoint.check`): not read or checked again."""
     from transformers import AutoModelForCausalLM
-
-    from .checks import check_checkpoint_against_config, check_not_task_head
 
     check_model_ref(ref)
     check_device(device)
     path = Path(ref).expanduser()
     gguf = find_gguf(path) if path.exists() else None
+    checkpoint = checked
     if gguf is None and path.is_dir():
         check_remote_code_allowed(path, trust_remote_code)
-        check_not_task_head(path)
-        check_checkpoint_against_config(path)  # before anything is built: one line, not a random layer
+        if checkpoint is None:
+            checkpoint = open_checkpoint(path)
+        checkpoint.check_not_task_head()
+        if checked is None:
+            checkpoint.check()  # before anything is built: one line, not a random layer
     if gguf is not None:
         from .gguf_header import check_gguf_header
 
@@ -448,7 +439,7 @@ def load_causal_lm(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     auto = AutoModelForCausalLM
-    if gguf is None and path.is_dir() and is_multimodal_checkpoint(path):
+    if checkpoint is not None and checkpoint.is_multimodal:
         from transformers import AutoModelForImageTextToText  # Qwen2.5-VL has no AutoModelForCausalLM entry
 
         auto = AutoModelForImageTextToText

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..common.checkpoint import open_checkpoint
 from ..common.checks import (
     architectures_of,
     check_attention_layout,
@@ -35,7 +36,7 @@ from ..common.model_card import SourceCard, kha_card, read_source_card
 from ..common.model_code import copy_model_code
 from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
 from ..common.paths import check_destination, check_free_space, check_source_links
-from ..common.safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index, shard_files
+from ..common.safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, shard_files
 from ..common.version import __version__
 from ..modeling.configuration_kha import (
     DEFAULT_KNOCK,
@@ -48,7 +49,7 @@ from ..modeling.configuration_kha import (
 from ..modeling.families import family_spec
 from ..modeling.modeling_kha import KNOCKS_FILE
 from .knock_tensors import initial_knock_tensors, layer_prefix
-from .source import Source, dequantize_gguf, read_config, resolve_source
+from .source import Source, dequantize_gguf, resolve_source
 
 CONVERTED = (
     "This checkpoint is {base} upgraded to Knocking-Heads Attention by `kha convert`. The knocks start at the "
@@ -253,7 +254,8 @@ def _convert_folder(
     card: SourceCard,
     knocks_from: TrainedKnocks | None = None,
 ) -> ConversionResult:
-    base_config = read_config(source.folder)
+    checkpoint = open_checkpoint(source.folder, required=True)  # config.json now, the headers once, below
+    base_config = checkpoint.config
     check_base_config(base_config, source.folder)
     try:
         if knocks_from is None:
@@ -264,7 +266,7 @@ def _convert_folder(
         raise
     except Exception as err:  # the family's config class rejects what it cannot use, in its own words
         raise KHAError(f"invalid {source.folder / 'config.json'}: {err}") from err
-    tensors = read_checkpoint_index(source.folder)
+    tensors = checkpoint.weights()
     try:
         prefix = layer_prefix(tensors, config)
     except ValueError as err:

@@ -15,7 +15,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -26,17 +25,14 @@ from transformers.models.auto.modeling_auto import (
 
 from ..common.checks import architectures_of, check_head_weights, check_multimodal_weights
 from ..common.errors import KHAError
-from ..common.loading import read_config_dict
 from ..common.model_card import kha_card, read_source_card
 from ..common.model_code import copy_model_code
 from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
 from ..common.paths import check_destination, check_free_space, check_source_links
-from ..common.safetensors_index import INDEX_FILE, read_checkpoint_index, shard_files
+from ..common.safetensors_index import INDEX_FILE, shard_files
 from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, family_heads
-from ..modeling.families import family_spec, segment_rows
-from ..modeling.knocks import fold_projection
-from .knock_reader import check_finite, check_knock_tensors, knock_keys, read_kha_config, read_knocks
-from .knock_tensors import KNOCK_KEY, knock_key, layer_prefix, projection_key
+from .fold_plan import checked_fold_plan, fold_checked
+from .knock_reader import open_kha_checkpoint
 
 
 @dataclass
@@ -44,57 +40,6 @@ class FoldResult:
     output: Path
     folded: list[str]  # knock tensors absorbed
     kept_kha: bool  # True for a partial fold (the output is still a KHA model with an MLP value knock)
-
-
-def fold_plan(
-    config: KHAConfig, tensors: dict, prefix: str, knocks: dict[str, torch.Tensor], linear: list[str]
-) -> dict[str, list[tuple[torch.Tensor, list[tuple[int, int]]]]]:
-    """Projection tensor name -> [(knock matrix, rows it applies to), ...] for the LINEAR knock targets (of the
-    text decoder, in a multimodal model)."""
-    config = config.knock_config
-    layout = family_spec(config.base_model_type).layout
-    plan: dict[str, list[tuple[torch.Tensor, list[tuple[int, int]]]]] = {}
-    for layer in config.knocked_layers:
-        for projection, blocks in layout.items():
-            for target in linear:
-                rows = segment_rows(config, blocks, target)
-                if not rows:
-                    continue
-                knock = knocks[knock_key(prefix, layer, target, "weight")]
-                for part in ("weight", "bias"):
-                    name = projection_key(prefix, layer, projection, part)
-                    if name in tensors:
-                        plan.setdefault(name, []).append((knock, rows))
-    return plan
-
-
-def fold_checked(
-    tensor: torch.Tensor, knock: torch.Tensor, rows: list[tuple[int, int]], name: str, kha_dir: Path
-) -> torch.Tensor:
-    """`fold_projection` of tensor NAME, with a one-line error where the folded values overflow its dtype."""
-    try:
-        return fold_projection(tensor, knock, rows)
-    except OverflowError as err:
-        raise KHAError(
-            f"{kha_dir}: folding the knocks into {name}: {err}; fold a float32 copy of the model instead "
-            "(KHAForCausalLM.from_pretrained(..., dtype=torch.float32).save_pretrained(...))"
-        ) from None
-
-
-def checked_fold_plan(
-    kha_dir: Path, config: KHAConfig, tensors: dict, linear: list[str]
-) -> tuple[dict[str, list[tuple[torch.Tensor, list[tuple[int, int]]]]], list[str]]:
-    """(`fold_plan` of KHA_DIR's LINEAR knocks, the knock tensors it absorbs), after checking that the knocks are
-    there, of the right shape and finite."""
-    try:
-        prefix = layer_prefix(tensors, config)
-    except ValueError as err:
-        raise KHAError(f"{kha_dir}: {err}") from err
-    check_knock_tensors(config, tensors, prefix, kha_dir)
-    knocks = read_knocks(kha_dir, tensors)
-    check_finite(knocks, kha_dir)
-    plan = fold_plan(config, tensors, prefix, knocks, linear)
-    return plan, [k for k in knock_keys(tensors) if KNOCK_KEY.match(k).group("target") in linear]
 
 
 def fold(
@@ -142,7 +87,8 @@ def fold(
     kha_dir = Path(kha_dir)
     out = check_destination(out, [kha_dir], overwrite)
     check_source_links(kha_dir)  # no link out of KHA_DIR: nothing from elsewhere is copied into OUT
-    config = read_kha_config(kha_dir)
+    kha = open_kha_checkpoint(kha_dir)
+    config, tensors = kha.config, kha.tensors
     linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
     if config.knock_v == "mlp":
         if not partial:
@@ -156,16 +102,15 @@ def fold(
             )
         if not linear:
             raise KHAError("nothing to fold: this model has no linear knocks (only the value MLP)")
-    raw, where = read_config_dict(kha_dir) or {}, str(kha_dir / "config.json")
+    raw, where = kha.checkpoint.config, kha.checkpoint.where
     lm = "KHAForConditionalGeneration" if config.is_multimodal else "KHAForCausalLM"
     kind = next((name for name in architectures_of(raw, where) if name in TASK_HEADS), lm)
     if kind != lm and kind not in family_heads(config.base_model_type):
         raise KHAError(f"{kha_dir}: {config.base_model_type} has no {kind.removeprefix('KHAFor')} head in transformers")
-    tensors = read_checkpoint_index(kha_dir)
     check_head_weights(raw, kind, tensors, where)  # the head is written out as it is: it must be the one named
     if config.is_multimodal:  # the stock config written must describe these weights (vision tower included)
         check_multimodal_weights(config, tensors, where)
-    plan, folded_knocks = checked_fold_plan(kha_dir, config, tensors, linear)
+    plan, folded_knocks = checked_fold_plan(kha, linear)
     dropped = set(folded_knocks)
 
     with atomic_output_dir(out, overwrite=overwrite, marker="fold") as tmp:

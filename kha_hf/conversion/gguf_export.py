@@ -32,17 +32,16 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ..common.checks import check_attention_layout, check_weights_match_config, task_head
+from ..common.checkpoint import open_checkpoint
+from ..common.checks import check_attention_layout, check_config_numbers, check_weights_match_config
 from ..common.errors import KHAError
 from ..common.output import atomic_output_file
 from ..common.paths import check_file_destination, check_free_space, check_place, check_source_links
-from ..common.safetensors_index import read_checkpoint_index
 from ..common.version import __version__
-from .fold import checked_fold_plan, fold_checked
+from .fold_plan import checked_fold_plan, fold_checked
 from .gguf_pretokenizers import KNOWN_PRE_TYPES
-from .knock_reader import read_kha_config
+from .knock_reader import open_kha_checkpoint
 from .knock_tensors import KNOCK_KEY
-from .source import read_config
 
 OUTTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 GGUF_MAGIC = b"GGUF"
@@ -119,16 +118,19 @@ def export_gguf(
     if not kha_dir.is_dir():
         raise KHAError(f"{kha_dir} is not a folder: KHA_DIR must be a checkpoint folder")
     check_source_links(kha_dir)
-    raw = read_config(kha_dir)
-    head = task_head(kha_dir)
+    checkpoint = open_checkpoint(kha_dir, required=True)
+    raw = checkpoint.config
+    head = checkpoint.task_head()
     if head is not None:
         raise KHAError(
             f"{kha_dir} is a {head}, not a causal LM: the GGUF export writes language models only; "
             f"fold it to a folder (`kha fold KHA_DIR OUT`) and run it with transformers"
         )
     warnings: list[str] = []
-    if raw.get("model_type") == "kha":
-        config = read_kha_config(kha_dir)
+    kha = None
+    if checkpoint.is_kha:
+        kha = open_kha_checkpoint(checkpoint)
+        config = kha.config
         if config.knock_v == "mlp":
             raise KHAError(MLP_REFUSAL)
         linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
@@ -144,11 +146,11 @@ def export_gguf(
             f"({', '.join(sorted(FAMILIES))}); for this one, fold to a folder (`kha fold KHA_DIR OUT`) and use "
             "llama.cpp's convert_hf_to_gguf.py if llama.cpp supports it"
         )
-    tensors = read_checkpoint_index(kha_dir)
+    tensors = checkpoint.weights()
     plan: dict = {}
     folded: list[str] = []
-    if config is not None:
-        plan, folded = checked_fold_plan(kha_dir, config, tensors, linear)
+    if kha is not None:
+        plan, folded = checked_fold_plan(kha, linear)
     elif any(KNOCK_KEY.match(n) for n in tensors):
         raise KHAError(f"{kha_dir}: knock tensors in a checkpoint whose config.json is not a KHA config")
 
@@ -313,8 +315,6 @@ def _plain_config(raw: dict, folder: Path):
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise KHAError(f"{folder / 'config.json'}: unknown model_type {model_type!r}")
-    from ..common.checks import check_config_numbers
-
     check_config_numbers(raw, str(folder / "config.json"))
     try:
         return CONFIG_MAPPING[model_type](**{k: v for k, v in raw.items() if k != "model_type"})

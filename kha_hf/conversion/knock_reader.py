@@ -1,30 +1,88 @@
-"""Read a KHA checkpoint's config and knock tensors without building the model (memory: the knocks only)."""
+"""A KHA checkpoint opened once and checked, without building the model (memory: the knocks only).
+
+`open_kha_checkpoint` takes the folder's `Checkpoint` (config dict and tensor headers, read once by
+`common.checkpoint.open_checkpoint`) and checks what every tool that reads knocks needs: a KHA config whose values
+are sane, a text decoder whose layers the family layout finds, and exactly the knock tensors that config describes,
+each d_h x d_h floating point. `kha fold`, `kha fold OUT.gguf`, `kha inspect` and `kha adapter` take that value;
+`KHACheckpoint.read_knocks` reads the knock values, one shard at a time, and refuses NaN or infinite ones.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from ..common.checkpoint import Checkpoint, open_checkpoint
+from ..common.checks import check_config_numbers
 from ..common.errors import KHAError
-from ..common.safetensors_index import TensorInfo, read_checkpoint_index
+from ..common.safetensors_index import TensorInfo
 from ..modeling.configuration_kha import KHAConfig
-from .knock_tensors import KNOCK_KEY, knock_specs
-from .source import read_config
+from .knock_tensors import KNOCK_KEY, knock_specs, layer_prefix
 
 
-def read_kha_config(folder: Path) -> KHAConfig:
-    config = read_config(folder)
+@dataclass(frozen=True)
+class KHACheckpoint:
+    """A KHA checkpoint folder as `open_kha_checkpoint` read and checked it."""
+
+    checkpoint: Checkpoint  # the folder, its config.json and its tensor headers
+    config: KHAConfig  # built from config.json, its values checked
+    prefix: str  # the text decoder's `...layers.` prefix (`model.`, `model.language_model.`, ...)
+    knock_names: tuple[str, ...]  # every knock tensor, sorted: exactly those the config describes
+
+    @property
+    def folder(self) -> Path:
+        return self.checkpoint.folder
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self.checkpoint.tensors
+
+    def read_knocks(self) -> dict[str, torch.Tensor]:
+        """Every knock tensor, by name, read one shard at a time; NaN or infinite values refused."""
+        by_file: dict[str, list[str]] = {}
+        for name in self.knock_names:
+            by_file.setdefault(self.tensors[name].file, []).append(name)
+        knocks = {}
+        for file, names in by_file.items():
+            with safe_open(self.folder / file, framework="pt") as f:
+                for name in names:
+                    knocks[name] = f.get_tensor(name)
+        check_finite(knocks, self.folder)
+        return knocks
+
+
+def open_kha_checkpoint(source: str | Path | Checkpoint) -> KHACheckpoint:
+    """SOURCE (a folder, or its `Checkpoint` already open) as a checked KHA checkpoint; one-line KHAError for a
+    folder that is not one, a config whose values are hostile or that the family rejects, and knock tensors that
+    do not fit the config."""
+    if isinstance(source, Checkpoint) and source.config is not None:
+        checkpoint = source
+    else:  # a folder, or a checkpoint opened without its config: refused in `read_config`'s words
+        checkpoint = open_checkpoint(source.folder if isinstance(source, Checkpoint) else source, required=True)
+    folder = checkpoint.folder
+    config = kha_config(checkpoint)
+    tensors = checkpoint.weights()
+    try:
+        prefix = layer_prefix(tensors, config)
+    except ValueError as err:
+        raise KHAError(f"{folder}: {err}") from err
+    check_knock_tensors(config, tensors, prefix, folder)
+    return KHACheckpoint(checkpoint, config, prefix, tuple(knock_keys(tensors)))
+
+
+def kha_config(checkpoint: Checkpoint) -> KHAConfig:
+    """CHECKPOINT's config.json as a KHAConfig, its values checked first."""
+    folder, config = checkpoint.folder, checkpoint.config or {}
     if config.get("model_type") != KHAConfig.model_type:
         raise KHAError(f"{folder} is not a KHA checkpoint (model_type {config.get('model_type')!r})")
-    from ..common.checks import check_config_numbers
-
-    check_config_numbers(config, str(folder / "config.json"))  # hostile values: one line, not a traceback
+    check_config_numbers(config, checkpoint.where)  # hostile values: one line, not a traceback
     try:
         return KHAConfig(**{k: v for k, v in config.items() if k != "model_type"})
     except Exception as err:  # the family's config class rejects what it cannot use, in its own words
-        raise KHAError(f"invalid {folder / 'config.json'}: {err}") from err
+        raise KHAError(f"invalid {checkpoint.where}: {err}") from err
 
 
 def knock_keys(tensors: dict[str, TensorInfo]) -> list[str]:
@@ -63,17 +121,3 @@ def check_finite(knocks: dict[str, torch.Tensor], folder: Path) -> None:
         if not torch.isfinite(tensor).all():
             bad = int((~torch.isfinite(tensor)).sum())
             raise KHAError(f"{folder}: knock tensor {name} holds {bad} NaN or infinite values; refusing to use it")
-
-
-def read_knocks(folder: Path, tensors: dict[str, TensorInfo] | None = None) -> dict[str, torch.Tensor]:
-    """Every knock tensor of the checkpoint, by name, read one shard at a time."""
-    tensors = tensors if tensors is not None else read_checkpoint_index(folder)
-    by_file: dict[str, list[str]] = {}
-    for name in knock_keys(tensors):
-        by_file.setdefault(tensors[name].file, []).append(name)
-    knocks = {}
-    for file, names in by_file.items():
-        with safe_open(folder / file, framework="pt") as f:
-            for name in names:
-                knocks[name] = f.get_tensor(name)
-    return knocks

@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 
 from ..common.errors import KHAError
-from ..common.safetensors_index import read_checkpoint_index
-from .knock_reader import check_finite, check_knock_tensors, read_kha_config, read_knocks
-from .knock_tensors import KNOCK_KEY, KNOCK_PARTS, layer_prefix
+from .knock_reader import KHACheckpoint, open_kha_checkpoint
+from .knock_tensors import KNOCK_KEY, KNOCK_PARTS
 
 
 def matrix_stats(weight: torch.Tensor, start: str) -> dict[str, float]:
@@ -40,17 +39,13 @@ def matrix_stats(weight: torch.Tensor, start: str) -> dict[str, float]:
 LABEL_ORDER = ["q", "k", "v", "v.up", "v.gate", "v.down"]
 
 
-def knock_matrices(kha_dir: Path) -> list[tuple[int, str, str, torch.Tensor]]:
-    """(layer, label, initial value, weight) for every knock matrix; labels q / k / v / v.up / v.gate / v.down."""
-    config = read_kha_config(kha_dir)
-    tensors = read_checkpoint_index(kha_dir)
-    try:
-        prefix = layer_prefix(tensors, config)
-    except ValueError as err:
-        raise KHAError(f"{kha_dir}: {err}") from err
-    check_knock_tensors(config, tensors, prefix, kha_dir)  # every matrix d_h x d_h, as the config says
-    knocks = read_knocks(kha_dir, tensors)
-    check_finite(knocks, kha_dir)  # NaN statistics would print as a table and as invalid JSON
+def knock_matrices(kha: str | Path | KHACheckpoint) -> list[tuple[int, str, str, torch.Tensor]]:
+    """(layer, label, initial value, weight) for every knock matrix of KHA (a folder, or the `KHACheckpoint` the
+    caller opened); labels q / k / v / v.up / v.gate / v.down."""
+    if not isinstance(kha, KHACheckpoint):
+        kha = open_kha_checkpoint(kha)  # every matrix d_h x d_h, as the config says
+    config = kha.config
+    knocks = kha.read_knocks()  # finite: NaN statistics would print as a table and as invalid JSON
     found = []
     for name, tensor in knocks.items():
         match = KNOCK_KEY.match(name)
@@ -61,11 +56,11 @@ def knock_matrices(kha_dir: Path) -> list[tuple[int, str, str, torch.Tensor]]:
     return sorted(found, key=lambda item: (item[0], LABEL_ORDER.index(item[1])))
 
 
-def knock_statistics(kha_dir: str | Path) -> list[dict]:
+def knock_statistics(kha_dir: str | Path | KHACheckpoint) -> list[dict]:
     """One row per (layer, knock part): layer, knock (q / k / v / v.up / v.gate / v.down) and the stats."""
     return [
         {"layer": layer, "knock": label, **matrix_stats(weight, start)}
-        for layer, label, start, weight in knock_matrices(Path(kha_dir))
+        for layer, label, start, weight in knock_matrices(kha_dir)
     ]
 
 
@@ -83,10 +78,10 @@ def to_json(rows: list[dict]) -> str:
     return json.dumps(rows, indent=2)
 
 
-def knock_heatmaps(kha_dir: str | Path) -> dict[tuple[str, int], torch.Tensor]:
+def knock_heatmaps(kha_dir: str | Path | KHACheckpoint) -> dict[tuple[str, int], torch.Tensor]:
     """(knock label, layer) -> T − T0, the matrix the heatmaps show (T itself: row i, column j is T[i, j])."""
     cells = {}
-    for layer, label, start, weight in knock_matrices(Path(kha_dir)):
+    for layer, label, start, weight in knock_matrices(kha_dir):
         t = weight.double().T  # nn.Linear stores T transposed
         cells[(label, layer)] = t - (torch.eye(t.shape[0], dtype=t.dtype) if start == "identity" else 0)
     return cells
@@ -111,14 +106,14 @@ def check_plot_path(path: str | Path) -> Path:
     return path
 
 
-def plot_knocks(kha_dir: str | Path, path: str | Path, max_layers: int | None = 8) -> Path:
+def plot_knocks(kha_dir: str | Path | KHACheckpoint, path: str | Path, max_layers: int | None = 8) -> Path:
     """A heatmap grid, rows = knocks, columns = layers (up to `max_layers`, evenly spaced; None: every layer):
     T − T0 per cell."""
     path = check_plot_path(path)
     import matplotlib.pyplot as plt
 
-    kha_dir = Path(kha_dir)
     cells = knock_heatmaps(kha_dir)
+    name = (kha_dir.folder if isinstance(kha_dir, KHACheckpoint) else Path(kha_dir)).name
     knocks = sorted({k for k, _ in cells}, key=LABEL_ORDER.index)
     layers = sorted({layer for _, layer in cells})
     if max_layers is not None and len(layers) > max_layers:
@@ -144,7 +139,7 @@ def plot_knocks(kha_dir: str | Path, path: str | Path, max_layers: int | None = 
     moved = scale > 0 and any(v.abs().max().item() > 0 for v in cells.values())
     state = "minus their initial value (T − T0)" if moved else "all still at their initial value (T − T0 = 0)"
     shown = f"{len(layers)} of {len({layer for _, layer in cells})} layers"
-    fig.suptitle(f"knocks of {kha_dir.name} {state}; {shown}", fontsize=10)
+    fig.suptitle(f"knocks of {name} {state}; {shown}", fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8)
     fig.savefig(path, dpi=110)

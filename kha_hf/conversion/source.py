@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,18 +58,6 @@ def check_local_folder(folder: Path) -> None:
             "cannot be streamed. Re-save as safetensors first: "
             "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder)"
         )
-
-
-def read_config(folder: Path) -> dict:
-    if not (folder / "config.json").is_file():
-        raise KHAError(f"{folder} has no config.json: not a transformers checkpoint folder")
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise KHAError(f"{folder / 'config.json'} is not valid JSON: {err}") from err
-    if not isinstance(config, dict):
-        raise KHAError(f"{folder / 'config.json'} must hold a JSON object, not {type(config).__name__}")
-    return config
 
 
 def dequantize_gguf(gguf_file: Path, out: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ..common.checkpoint import Checkpoint, open_checkpoint
 from ..common.errors import KHAError
 
 PROMPTS = (
@@ -94,27 +95,24 @@ def verify_conversion(
             checkpoint or not a conversion of BASE (another head or label count), a model cannot be loaded, or
             the logits are not finite.
     """
-    from ..common.checks import check_checkpoint_against_config, task_head
-    from ..common.loading import (
-        check_device,
-        check_model_ref,
-        find_gguf,
-        load_causal_lm,
-        read_config_dict,
-        torch_dtype,
-    )
+    from ..common.loading import check_device, check_model_ref, load_causal_lm, torch_dtype
 
     check_model_ref(base, "BASE")
     check_model_ref(kha_dir, "KHA_DIR")
     check_device(device)
-    if (read_config_dict(Path(kha_dir)) or {}).get("model_type") != "kha":
+    kha = _open_local(kha_dir)
+    if kha is None or not kha.is_kha:
         raise KHAError(f"{kha_dir} is not a KHA checkpoint folder (its config.json has no model_type 'kha')")
-    for folder in (Path(base), Path(kha_dir)):  # both, before either is loaded
-        if folder.is_dir() and find_gguf(folder) is None:
-            check_checkpoint_against_config(folder)
-    head = task_head(Path(kha_dir))
+    base_checkpoint = _open_local(base)
+    for checkpoint in (base_checkpoint, kha):  # both, before either is loaded
+        if checkpoint is not None:
+            checkpoint.check()
+    head = kha.task_head()
     if head is not None:  # a reward model or classifier: its head's outputs, exactly
-        return verify_task_head(base, kha_dir, head, device, dtype, prompts, echo, tokenizer, trust_remote_code)
+        checkpoints = (base_checkpoint, kha)
+        return verify_task_head(
+            base, kha_dir, head, device, dtype, prompts, echo, tokenizer, trust_remote_code, checkpoints
+        )
     base_model, _ = load_causal_lm(
         base,
         dtype,
@@ -123,9 +121,16 @@ def verify_conversion(
         trust_remote_code=trust_remote_code,
         tokenizer=tokenizer,
         offer_tokenizer=offer_tokenizer,
+        checked=base_checkpoint,
     )
     kha_model, tokenizer = load_causal_lm(
-        kha_dir, dtype, device, attn_implementation="eager", tokenizer=tokenizer, offer_tokenizer=offer_tokenizer
+        kha_dir,
+        dtype,
+        device,
+        attn_implementation="eager",
+        tokenizer=tokenizer,
+        offer_tokenizer=offer_tokenizer,
+        checked=kha,
     )
     if getattr(kha_model.config, "model_type", None) != "kha":
         raise KHAError(f"{kha_dir} is not a KHA checkpoint")
@@ -148,21 +153,38 @@ def verify_conversion(
     return report
 
 
+def _open_local(ref: str | Path) -> Checkpoint | None:
+    """REF's checkpoint folder, opened (`open_checkpoint`), when REF is a local folder of safetensors weights (not a
+    Hub id, not a GGUF file)."""
+    from ..common.loading import find_gguf
+
+    folder = Path(ref)
+    return open_checkpoint(folder) if folder.is_dir() and find_gguf(folder) is None else None
+
+
 def verify_task_head(
-    base, kha_dir, head: str, device: str, dtype: str, prompts, echo, tokenizer, trust_remote_code: bool
+    base,
+    kha_dir,
+    head: str,
+    device: str,
+    dtype: str,
+    prompts,
+    echo,
+    tokenizer,
+    trust_remote_code: bool,
+    checkpoints: tuple[Checkpoint | None, Checkpoint],
 ) -> VerifyReport:
     """A converted task-head checkpoint (HEAD, e.g. `KHAForSequenceClassification`) against its base: every output of
     the head (`logits`; `start_logits` / `end_logits` for question answering) within the dtype's tolerance, and the
-    same predicted classes (reported where a causal LM reports greedy tokens)."""
+    same predicted classes (reported where a causal LM reports greedy tokens). CHECKPOINTS: BASE's (None for a Hub
+    id or GGUF file) and KHA_DIR's folders as `verify_conversion` opened and checked them."""
     import transformers
 
     from ..common.checks import num_labels
-    from ..common.checks import task_head as head_of
     from ..common.loading import (
         check_remote_code_allowed,
         describe_error,
         load_tokenizer,
-        read_config_dict,
         remote_code_kwargs,
         torch_dtype,
     )
@@ -170,10 +192,10 @@ def verify_task_head(
 
     if head not in TASK_HEADS:
         raise KHAError(f"{kha_dir} names the architecture {head}; a KHA task head is one of {', '.join(TASK_HEADS)}")
-    base_head = head_of(Path(base)) if Path(base).is_dir() else None
+    base_head = checkpoints[0].task_head() if checkpoints[0] is not None else None
     if base_head is None or not base_head.endswith(head.removeprefix("KHA")):
         raise KHAError(f"{kha_dir} is a {head}; BASE {base} is {base_head or 'not a checkpoint of that kind'}")
-    labels = [num_labels(read_config_dict(Path(ref)) or {}) for ref in (base, kha_dir)]
+    labels = [num_labels(checkpoint.config or {}) for checkpoint in checkpoints]
     if head != "KHAForQuestionAnswering" and labels[0] != labels[1]:
         raise KHAError(f"BASE {base} has {labels[0]} labels, {kha_dir} has {labels[1]}: not a conversion of it")
     auto = getattr(transformers, TASK_HEADS[head][0])

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..common.checks import check_not_task_head
+from ..common.checkpoint import check_not_task_head
 from ..common.errors import KHAError
 from ..common.loading import check_device, check_model_ref, load_causal_lm
 from ..common.output import atomic_output_dir

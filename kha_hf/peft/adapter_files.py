@@ -24,9 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..common.checks import check_not_task_head
 from ..common.errors import KHAError
-from ..common.loading import is_multimodal_checkpoint
 from ..common.paths import check_source_links
 from ..common.safetensors_index import read_header
 from ..conversion.converter import TrainedKnocks
@@ -123,7 +121,7 @@ def write_knock_adapter(
     `AutoPeftModelForCausalLM.from_pretrained(OUT)` finds it. Returns (OUT, the adapter's parameter count)."""
     from ..common.output import atomic_output_dir
     from ..common.paths import check_destination
-    from ..conversion.knock_reader import check_finite, read_kha_config, read_knocks
+    from ..conversion.knock_reader import open_kha_checkpoint
     from ..modeling.modeling_kha import KHAForCausalLM
     from .convert import knock_adapter_from_kha
 
@@ -134,14 +132,14 @@ def write_knock_adapter(
     if not kha_dir.is_dir():
         raise KHAError(f"{kha_dir} is not a folder: KHA_DIR must be a KHA checkpoint folder")
     check_source_links(kha_dir)
-    read_kha_config(kha_dir)  # a KHA checkpoint, its values checked, before a model is built
-    check_not_task_head(kha_dir)  # its body would not load into the causal LM whose knocks are saved
-    if is_multimodal_checkpoint(kha_dir):
+    kha = open_kha_checkpoint(kha_dir)  # a KHA checkpoint, its values and knocks checked, before a model is built
+    kha.checkpoint.check_not_task_head()  # its body would not load into the causal LM whose knocks are saved
+    if kha.checkpoint.is_multimodal:
         raise KHAError(
             f"{kha_dir} is a multimodal KHA checkpoint: knock adapters are made for stock text decoders only; "
             "serve or fine-tune the KHA checkpoint itself"
         )
-    check_finite(read_knocks(kha_dir), kha_dir)
+    kha.read_knocks()  # NaN or infinite knocks refused
     try:
         model = KHAForCausalLM.from_pretrained(kha_dir)
     except (OSError, ValueError) as err:
@@ -162,8 +160,8 @@ def check_adapter_fits(base: str | Path, folder: str | Path) -> TrainedKnocks:
     folder, checked against BASE's config and weight headers as `kha convert --adapter` checks them (family, layers,
     every knock's name and shape) without loading a model: a tool that runs BASE first fails before, not after.
     A Hub id or GGUF BASE is checked when PEFT loads the adapter (`apply_knock_adapter`)."""
-    from ..common.loading import find_gguf, read_config_dict
-    from ..common.safetensors_index import read_checkpoint_index
+    from ..common.checkpoint import open_checkpoint
+    from ..common.loading import find_gguf
     from ..conversion.converter import adapter_kha_config, adapter_knocks
     from ..conversion.knock_tensors import initial_knock_tensors, layer_prefix
 
@@ -171,12 +169,13 @@ def check_adapter_fits(base: str | Path, folder: str | Path) -> TrainedKnocks:
     path = Path(str(base)).expanduser()
     if not path.is_dir() or find_gguf(path) is not None:
         return adapter
-    config = read_config_dict(path) or {}
-    if config.get("model_type") == "kha":
+    checkpoint = open_checkpoint(path)
+    config = checkpoint.config or {}
+    if checkpoint.is_kha:
         raise KHAError(f"{base} is a KHA checkpoint (it has knocks already): a knock adapter goes on the stock model")
     try:
         kha_config = adapter_kha_config(config, adapter, path)
-        prefix = layer_prefix(read_checkpoint_index(path), kha_config)
+        prefix = layer_prefix(checkpoint.weights(), kha_config)
     except KHAError:
         raise
     except Exception as err:  # the family's config class rejects the adapter's layers, in its own words

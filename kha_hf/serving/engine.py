@@ -25,7 +25,8 @@ from pathlib import Path
 
 from transformers.cli.serving.model_manager import ModelLoader
 
-from ..common.loading import has_processor_files, is_multimodal_checkpoint, read_config_dict
+from ..common.checkpoint import read_config_dict
+from ..common.loading import has_processor_files, is_multimodal_checkpoint
 
 # transformers keeps up to 8 StopStringCriteria embeddings (vocabulary x stop-string positions, ~100 MB each for a
 # 49k vocabulary) in a module-level cache of the model's process; kha serve keeps the 2 most recent

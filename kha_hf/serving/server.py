@@ -37,6 +37,7 @@ import warnings
 from pathlib import Path
 from unittest import mock
 
+from ..common.checkpoint import open_checkpoint
 from ..common.errors import KHAError
 from ..common.loading import (
     TOKENIZER_FILES,
@@ -48,7 +49,6 @@ from ..common.loading import (
     describe_error,
     has_processor_files,
     is_multimodal_checkpoint,
-    read_config_dict,
 )
 from .errors import RequestError
 from .guard import RequestRegistry, ServeGuard, ServeLimits, model_aliases
@@ -207,18 +207,16 @@ def check_serve_inputs(
     path = Path(model).expanduser()
     if not path.exists():
         return str(model)  # a Hub id
-    config = read_config_dict(path) if path.is_dir() else None
-    if config is None:
+    checkpoint = open_checkpoint(path) if path.is_dir() else None
+    if checkpoint is None or checkpoint.config is None:
         raise KHAError(f"{model} is not a model folder (it has no readable config.json)")
-    is_kha = config.get("model_type") == "kha"
+    is_kha = checkpoint.is_kha
     check_remote_code_allowed(path, trust_remote_code)
     if is_kha:
         check_processor_needs_no_code(path)  # its processor loads without code (KHAModelManager._load_processor)
     check_processor_bounds(path)  # one small image resized to gigabytes (any checkpoint: its processor serves images)
-    from ..common.checks import check_checkpoint_against_config, check_not_task_head
-
-    check_not_task_head(path)  # served as a causal LM, a reward model would answer with a random lm_head
-    check_checkpoint_against_config(path)
+    checkpoint.check_not_task_head()  # served as a causal LM, a reward model would answer with a random lm_head
+    checkpoint.check()
     if is_kha and not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise KHAError(f"{model} has no tokenizer files: copy the base model's tokenizer into it to serve it")
     return str(path.resolve())

@@ -16,9 +16,9 @@ import torch
 from safetensors import SafetensorError
 from transformers import TrainingArguments
 
-from ..common.checks import check_checkpoint_against_config, check_not_task_head
+from ..common.checkpoint import open_checkpoint
 from ..common.errors import KHAError
-from ..common.loading import check_model_ref, load_tokenizer, read_config_dict
+from ..common.loading import check_model_ref, load_tokenizer
 from ..common.model_card import carry_training_card
 from ..common.output import check_adoptable, check_no_interrupted_run, resumable_partials
 from ..common.paths import check_free_space, check_run_destination, check_run_place, is_training_run
@@ -66,17 +66,17 @@ def _world_size() -> int:
 
 def check_trainable_config(folder: Path) -> None:
     """A local MODEL must be a KHA checkpoint or a base checkpoint of a supported family."""
-    config = read_config_dict(folder)
-    if config is None:
+    checkpoint = open_checkpoint(folder)
+    if checkpoint.config is None:
         raise KHAError(f"{folder} has no readable config.json: not a transformers checkpoint folder")
-    model_type = config.get("model_type")
+    model_type = checkpoint.config.get("model_type")
     if model_type != "kha" and model_type not in SUPPORTED_BASE_MODEL_TYPES:
         raise KHAError(
             f"{folder} is a {model_type!r} model; kha trains KHA checkpoints and base checkpoints of: "
             f"{', '.join(SUPPORTED_BASE_MODEL_TYPES)} (convert other architectures first: kha convert)"
         )
-    check_not_task_head(folder)  # a reward model trained as a causal LM would get a random lm_head
-    check_checkpoint_against_config(folder)
+    checkpoint.check_not_task_head()  # a reward model trained as a causal LM would get a random lm_head
+    checkpoint.check()
 
 
 def paper_training_arguments(output_dir: Path, **overrides) -> TrainingArguments:

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..common.checks import check_not_task_head
+from ..common.checkpoint import check_not_task_head
 from ..common.errors import KHAError
 from ..common.loading import find_gguf, load_tokenizer
 from ..common.output import atomic_output_dir
