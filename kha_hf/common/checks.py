@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -301,3 +302,22 @@ def check_head_weights(config: dict, kha_class: str, tensors: dict[str, TensorIn
             )
         if not info.dtype.is_floating_point:
             raise KHAError(f"{where}: {name} is stored as {info.dtype}, not a floating-point tensor")
+
+
+def check_knocks_fit(
+    expected: Mapping[str, tuple[int, ...]],
+    given: Mapping[str, torch.Tensor],
+    misfit: Callable[[list[str], list[str]], Exception],
+    misshaped: Callable[[str, tuple[int, ...], tuple[int, ...]], Exception],
+) -> None:
+    """The one check that an adapter's knocks are the knocks a model needs (`kha convert --adapter`, and PEFT loading
+    a knock adapter): GIVEN (knock tensors by name) holds every name of EXPECTED (name -> shape) and no other, each
+    of the expected shape. The caller words the refusal: the exception MISFIT(missing, extra) or
+    MISSHAPED(name, its shape, the expected shape) returns is raised (names sorted, the first misshapen tensor in
+    GIVEN's order)."""
+    missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    if missing or extra:
+        raise misfit(missing, extra)
+    for name, tensor in given.items():
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise misshaped(name, tuple(tensor.shape), tuple(expected[name]))

@@ -27,6 +27,7 @@ from ..common.checks import (
     check_attention_layout,
     check_config_numbers,
     check_head_weights,
+    check_knocks_fit,
     check_multimodal_weights,
     check_weights_match_config,
 )
@@ -347,18 +348,17 @@ def adapter_knocks(
 ) -> dict[str, torch.Tensor]:
     """TRAINED (an adapter's knocks, by KHA name) in place of IDENTITIES: the same names and shapes, cast to the
     checkpoint's dtype; one line naming the first difference otherwise (an adapter of another model)."""
-    missing, extra = sorted(set(identities) - set(trained)), sorted(set(trained) - set(identities))
-    if missing or extra:
-        raise KHAError(
+    check_knocks_fit(
+        {name: tuple(tensor.shape) for name, tensor in identities.items()},
+        trained,
+        lambda missing, extra: KHAError(
             f"the adapter's knocks do not fit {what}: {len(missing)} missing {missing[:2]}, {len(extra)} unexpected "
             f"{extra[:2]} (an adapter of another model?)"
-        )
-    for name, tensor in trained.items():
-        if tensor.shape != identities[name].shape:
-            raise KHAError(
-                f"the adapter's {name} has shape {tuple(tensor.shape)}, {what} needs {tuple(identities[name].shape)} "
-                "(an adapter of another model size?)"
-            )
+        ),
+        lambda name, shape, needed: KHAError(
+            f"the adapter's {name} has shape {shape}, {what} needs {needed} (an adapter of another model size?)"
+        ),
+    )
     return {name: trained[name].to(identities[name].dtype).contiguous() for name in identities}
 
 

@@ -19,6 +19,7 @@ from peft.tuners.tuners_utils import BaseTuner
 from peft.utils import AuxiliaryTrainingWrapper
 from torch import nn
 
+from ..common.checks import check_knocks_fit
 from ..modeling.families import (
     FAMILIES,
     attention_layers,
@@ -67,18 +68,19 @@ def check_knock_state_dict(
     for key, tensor in given_state.items():  # the modules_to_save tensors too: NaN there made every logit NaN
         if key not in given and tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ValueError(f"knock adapter {adapter_name!r}: {key} holds NaN or infinite values")
-    missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
-    if missing or extra:
-        raise ValueError(
+    check_knocks_fit(
+        {key: tuple(tensor.shape) for key, tensor in expected.items()},
+        given,
+        lambda missing, extra: ValueError(
             f"knock adapter {adapter_name!r} does not fit this model: {len(missing)} knock tensors missing "
             f"{missing[:2]}, {len(extra)} unexpected {extra[:2]}"
-        )
+        ),
+        lambda key, shape, needed: ValueError(
+            f"knock adapter {adapter_name!r}: {key} has shape {shape}, this model's knock {needed} "
+            "(an adapter of another model size)"
+        ),
+    )
     for key, tensor in given.items():
-        if tensor.shape != expected[key].shape:
-            raise ValueError(
-                f"knock adapter {adapter_name!r}: {key} has shape {tuple(tensor.shape)}, this model's knock "
-                f"{tuple(expected[key].shape)} (an adapter of another model size)"
-            )
         if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
             raise ValueError(f"knock adapter {adapter_name!r}: {key} is not finite floating point ({tensor.dtype})")
 
