@@ -108,14 +108,20 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def remote_code_kwargs(ref: str | Path, trust_remote_code: bool = False, echo=print) -> dict:
+def remote_code_kwargs(
+    ref: str | Path, trust_remote_code: bool = False, echo=print, checkpoint: Checkpoint | None = None
+) -> dict:
     """`trust_remote_code` for transformers' from_pretrained: False unless the user asked for it.
 
     A KHA checkpoint loads through the installed kha_hf classes (registered with the Auto classes), so its own
-    code files never need to run; when they differ from the installed copy, say so once.
+    code files never need to run; when they differ from the installed copy, say so once. CHECKPOINT: REF's folder
+    as the caller opened it (its config.json is not read again).
     """
     folder = Path(ref).expanduser()
-    config = read_config_dict(folder) if folder.is_dir() else None
+    if checkpoint is not None:
+        config = checkpoint.config
+    else:
+        config = read_config_dict(folder) if folder.is_dir() else None
     # The KHA classes are registered with the Auto classes by `import kha_hf`, or, under the `kha` command, right
     # after its arguments are parsed: before any command loads a model.
     if config and config.get("model_type") == "kha" and not trust_remote_code:
@@ -127,17 +133,17 @@ def remote_code_kwargs(ref: str | Path, trust_remote_code: bool = False, echo=pr
     return {"trust_remote_code": bool(trust_remote_code)}
 
 
-def check_remote_code_allowed(folder: Path, trust_remote_code: bool) -> None:
+def check_remote_code_allowed(checkpoint: Checkpoint, trust_remote_code: bool) -> None:
     """A folder whose architecture only its own code files know (auto_map, a model_type transformers lacks) needs
     --trust-remote-code; say so in one line instead of letting transformers prompt or fail."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = read_config_dict(folder) or {}
+    config = checkpoint.config or {}
     model_type = config.get("model_type")
     if trust_remote_code or model_type == "kha" or model_type in CONFIG_MAPPING or not config.get("auto_map"):
         return
     raise KHAError(
-        f"{folder} ships its own model code (auto_map, model_type {model_type!r}); it was not run. "
+        f"{checkpoint.folder} ships its own model code (auto_map, model_type {model_type!r}); it was not run. "
         "Pass --trust-remote-code if you trust that code"
     )
 
@@ -253,11 +259,13 @@ def load_tokenizer(
     gguf=None,
     offer_trust: bool = True,
     offer_tokenizer: bool = True,
+    checkpoint: Checkpoint | None = None,
 ):
     """The tokenizer of REF (or of TOKENIZER when given), with a one-line error that names --tokenizer.
 
     OFFER_TRUST / OFFER_TOKENIZER: the command has a --trust-remote-code / --tokenizer option, so an error may
-    point to it (an error never advises an option the command lacks)."""
+    point to it (an error never advises an option the command lacks). CHECKPOINT: REF's folder as the caller
+    opened it (its config.json is not read again)."""
     from transformers import AutoTokenizer
 
     source = tokenizer or ref
@@ -273,7 +281,11 @@ def load_tokenizer(
                 else ""
             )
         )
-    if folder.is_dir() and (read_config_dict(folder) or {}).get("model_type") == "kha":
+    if checkpoint is not None and tokenizer is None:
+        config = checkpoint.config
+    else:
+        config = read_config_dict(folder) if folder.is_dir() else None
+    if (config or {}).get("model_type") == "kha":
         trust_remote_code = False  # a KHA folder's tokenizer is its base model's: none of the folder's code runs
         offer_trust = False
     try:
@@ -423,9 +435,9 @@ def load_causal_lm(
     gguf = find_gguf(path) if path.exists() else None
     checkpoint = checked
     if gguf is None and path.is_dir():
-        check_remote_code_allowed(path, trust_remote_code)
         if checkpoint is None:
             checkpoint = open_checkpoint(path)
+        check_remote_code_allowed(checkpoint, trust_remote_code)
         checkpoint.check_not_task_head()
         if checked is None:
             checkpoint.check()  # before anything is built: one line, not a random layer
@@ -434,7 +446,9 @@ def load_causal_lm(
 
         check_gguf_header(gguf)  # the same for a GGUF file's metadata, before transformers' loader allocates
     # first: cheap, and its errors are the common ones
-    tok = load_tokenizer(ref, tokenizer, trust_remote_code, gguf, offer_tokenizer=offer_tokenizer)
+    tok = load_tokenizer(
+        ref, tokenizer, trust_remote_code, gguf, offer_tokenizer=offer_tokenizer, checkpoint=checkpoint
+    )
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -447,7 +461,8 @@ def load_causal_lm(
         if gguf is not None:
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
         else:
-            model = auto.from_pretrained(ref, **remote_code_kwargs(ref, trust_remote_code), **kwargs)
+            kwargs.update(remote_code_kwargs(ref, trust_remote_code, checkpoint=checkpoint))
+            model = auto.from_pretrained(ref, **kwargs)
     except (OSError, ValueError) as err:
         remote = _remote_code_error(ref, err)
         if remote is not None:

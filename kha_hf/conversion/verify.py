@@ -199,11 +199,11 @@ def verify_task_head(
     if head != "KHAForQuestionAnswering" and labels[0] != labels[1]:
         raise KHAError(f"BASE {base} has {labels[0]} labels, {kha_dir} has {labels[1]}: not a conversion of it")
     auto = getattr(transformers, TASK_HEADS[head][0])
-    check_remote_code_allowed(Path(base), trust_remote_code)
-    tok = load_tokenizer(base, tokenizer, trust_remote_code)
+    check_remote_code_allowed(checkpoints[0], trust_remote_code)
+    tok = load_tokenizer(base, tokenizer, trust_remote_code, checkpoint=checkpoints[0])
     kwargs = {"dtype": torch_dtype(dtype), "attn_implementation": "eager"}
     models = []
-    for ref, extra in ((base, remote_code_kwargs(base, trust_remote_code)), (kha_dir, {})):
+    for ref, extra in ((base, remote_code_kwargs(base, trust_remote_code, checkpoint=checkpoints[0])), (kha_dir, {})):
         try:
             models.append(auto.from_pretrained(ref, **extra, **kwargs).to(device).eval())
         except (OSError, ValueError, RuntimeError) as err:  # RuntimeError: a head whose shape the config denies

@@ -211,7 +211,7 @@ def check_serve_inputs(
     if checkpoint is None or checkpoint.config is None:
         raise KHAError(f"{model} is not a model folder (it has no readable config.json)")
     is_kha = checkpoint.is_kha
-    check_remote_code_allowed(path, trust_remote_code)
+    check_remote_code_allowed(checkpoint, trust_remote_code)
     if is_kha:
         check_processor_needs_no_code(path)  # its processor loads without code (KHAModelManager._load_processor)
     check_processor_bounds(path)  # one small image resized to gigabytes (any checkpoint: its processor serves images)
