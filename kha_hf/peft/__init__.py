@@ -8,6 +8,7 @@ the knocks go). Importing kha_hf registers the method with peft, so `PeftModel.f
 
 from __future__ import annotations
 
+from . import compat
 from .config import KNOCK_PEFT_TYPE, KnockConfig, knock_peft_type
 from .convert import kha_knock_state_dict, knock_adapter_from_kha, to_kha_model
 from .layer import KnockLayer
@@ -28,6 +29,7 @@ def register_knock_method() -> None:
         register_peft_method(
             name=KNOCK_PEFT_TYPE.lower(), config_cls=KnockConfig, model_cls=KnockModel, prefix="knock_"
         )
+    compat.install()  # peft 0.20 only: the 0.21 file format and load checks for knock adapters
     _registered = True
 
 

@@ -33,8 +33,8 @@ from .layer import KnockLayer
 
 KNOCK_ADAPTER_TAGS = ["kha-hf", "knocking-heads-attention", "knock-adapter"]
 # peft >= 0.21 lets a tuner name its tensors in the file (`_remove_adapter_name_from_key`) and check a file before it
-# loads (`_remap_adapter_state_dict_for_load`). peft 0.20 (Axolotl 0.19's pin) has neither: it would save the
-# adapter name inside every key and load the knocks nowhere, in silence, so knock adapters refuse it in one line.
+# loads (`_remap_adapter_state_dict_for_load`). peft 0.20 (Axolotl 0.19's pin) has neither: kha_hf/peft/compat.py
+# gives knock adapters the same file format and checks there.
 REMAP_HOOK = hasattr(BaseTuner, "_remap_adapter_state_dict_for_load")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.[^.]+\.([^.]+)$")  # ...layers.<i>.<attention>.<projection>
 
@@ -229,16 +229,6 @@ class KnockModel(BaseTuner):
         # `...q_proj.knock_sets.<adapter>.q_knock.weight` -> `...q_proj.knock_sets.q_knock.weight`: the file does not
         # depend on the name the adapter had (peft's default strips only a second-to-last name)
         return key.replace(f".knock_sets.{adapter_name}.", ".knock_sets.", 1)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if not REMAP_HOOK:
-            import peft
-
-            raise ValueError(
-                f"knock adapters need peft>=0.21 (its tuner hooks name, check and load their tensors), this is "
-                f"{peft.__version__}: pip install 'peft>=0.21' (kha convert --adapter and KHA checkpoints need no peft)"
-            )
-        super().__init__(*args, **kwargs)
 
     @classmethod
     def _remap_adapter_state_dict_for_load(

@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 
 from kha_hf.cli import main
 from kha_hf.common.supported_versions import release
-from kha_hf.peft.model import REMAP_HOOK
 from tests.modeling.test_task_heads import _save_stock
 from tests.peft.test_adapter_cli import trained_adapter
 
@@ -142,7 +141,6 @@ def test_verify_and_fold_refuse_mismatched_heads(heads, tmp_path, capsys):
     assert not (tmp_path / "folded").exists()
 
 
-@pytest.mark.skipif(not REMAP_HOOK, reason="knock adapters need peft>=0.21 (one line on 0.20: tests/peft)")
 def test_eval_adapter_of_another_family_fails_before_the_baseline_runs(heads, tmp_path, capsys):
     from tests.helpers import save_tiny_checkpoint
 

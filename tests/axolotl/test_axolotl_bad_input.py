@@ -1,0 +1,124 @@
+"""Bad Axolotl configs with kha-hf's plugin: each fails in Axolotl's validation (before any weight loads), naming the
+key and what is allowed, or in one line of the plugin's; and what Axolotl itself does without the plugin."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def llama(tmp_path):
+    from tests.helpers import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path / "base", "llama")  # 3 layers
+    return tmp_path / "base"
+
+
+def _validation_error(cfg: dict) -> str:
+    from pydantic import ValidationError
+
+    from tests.axolotl.runner import validate
+
+    with pytest.raises(ValidationError) as err:
+        validate(cfg)
+    return str(err.value)
+
+
+def test_an_unknown_preset_names_the_key_and_the_presets(llama, tmp_path):
+    from tests.axolotl.runner import config
+
+    message = _validation_error(config(tmp_path, llama, adapter="knock", knock={"preset": "mlp_qkv"}))
+    assert "knock.preset" in message
+    assert "'mlp_v', 'linear_v', 'linear_qkv' or 'mlp_v_linear_qk'" in message, message
+
+
+def test_a_misspelt_knock_key_is_named(llama, tmp_path):
+    from tests.axolotl.runner import config
+
+    message = _validation_error(config(tmp_path, llama, adapter="knock", knock={"presets": "linear_v"}))
+    assert "knock.presets" in message and "Extra inputs are not permitted" in message, message
+
+
+def test_a_layer_beyond_the_model_names_the_key_and_the_layers(llama, tmp_path):
+    from tests.axolotl.runner import config
+
+    message = _validation_error(
+        config(tmp_path, llama, adapter="knock", knock={"preset": "linear_v", "layers": [1, 7]})
+    )
+    assert "knock.layers [7] are not attention layers of this llama model; allowed: 0-2" in message, message
+
+
+def test_a_knock_block_without_adapter_knock_is_refused(llama, tmp_path):
+    """Without `adapter: knock` the block would be ignored in silence (a LoRA run that meant to train knocks)."""
+    from tests.axolotl.runner import config
+
+    cfg = config(tmp_path, llama, adapter="lora", lora_r=4, lora_alpha=8, knock={"preset": "linear_v"})
+    message = _validation_error(cfg)
+    assert "the knock: block configures adapter: knock, and adapter is 'lora'" in message, message
+
+
+def test_a_family_kha_does_not_support_is_named_with_the_supported_ones(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from kha_hf import SUPPORTED_BASE_MODEL_TYPES
+    from tests.axolotl.runner import config
+    from tests.helpers import save_tiny_tokenizer
+
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300)).save_pretrained(tmp_path / "gpt2")
+    save_tiny_tokenizer(tmp_path / "gpt2")
+    message = _validation_error(config(tmp_path, tmp_path / "gpt2", adapter="knock"))
+    line = next(line for line in message.splitlines() if "adapter: knock" in line)
+    assert "model_type 'gpt2'" in line and ", ".join(SUPPORTED_BASE_MODEL_TYPES) in line, line
+
+
+def test_a_knock_adapter_on_a_kha_checkpoint_is_refused(tmp_path):
+    from tests.axolotl.runner import config
+    from tests.helpers import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path / "kha", "llama", knock="linear_v")
+    message = _validation_error(config(tmp_path, tmp_path / "kha", adapter="knock"))
+    assert "base_model is a KHA checkpoint, which has knocks already" in message, message
+
+
+def test_without_the_plugin_axolotl_refuses_adapter_knock(llama, tmp_path):
+    from tests.axolotl.runner import config
+
+    message = _validation_error(config(tmp_path, llama, adapter="knock", plugins=None))
+    assert "Adapter 'knock' is not built in and was not registered by a plugin" in message, message
+
+
+def test_a_misspelt_plugin_module_is_logged_and_adapter_knock_still_refused(llama, tmp_path, capsys):
+    """A plugin module that does not import: Axolotl logs "Failed to load plugin" and goes on (docs/guides/axolotl.md
+    says so); with `adapter: knock` its own validation then refuses the adapter, so nothing trains without knocks."""
+    from tests.axolotl.runner import config
+
+    cfg = config(tmp_path, llama, adapter="knock", plugins=["kha_hf.integration.axolotl.KHAPlugin"])
+    message = _validation_error(cfg)
+    assert "Adapter 'knock' is not built in and was not registered by a plugin" in message
+    assert "No module named 'kha_hf.integration'" in capsys.readouterr().out  # Axolotl prints the import error
+
+
+def test_a_misspelt_plugin_class_stops_axolotl(llama, tmp_path):
+    """A class name that the module lacks is not an ImportError: Axolotl's plugin loader raises it as it is."""
+    from tests.axolotl.runner import config, validate
+
+    with pytest.raises(AttributeError, match="has no attribute 'KHAPlugn'"):
+        validate(config(tmp_path, llama, adapter="knock", plugins=["kha_hf.integrations.axolotl.KHAPlugn"]))
+
+
+def test_a_kha_checkpoint_whose_config_lies_about_its_layers_is_refused_in_one_line(tmp_path):
+    from kha_hf.common.errors import KHAError
+    from tests.axolotl.runner import config, validate
+    from tests.helpers import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path / "kha", "llama", knock="linear_v")
+    config_file = tmp_path / "kha" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "num_hidden_layers": 4}))
+    with pytest.raises(KHAError) as err:
+        validate(config(tmp_path, tmp_path / "kha", adapter="lora", lora_r=4, lora_alpha=8, lora_target_linear=True))
+    assert len(str(err.value).splitlines()) == 1
+    assert str(err.value).endswith("config.json says 4 layers, the weights hold 3 (layer indices 0..2)"), str(err.value)
