@@ -1,5 +1,5 @@
 """docs/guides/axolotl.md runs as written in Axolotl's environment: its first Python block (a tiny model and data
-set), its YAML as `knock.yml`, its `axolotl train` and `axolotl merge-lora` commands (Axolotl's own console script,
+set), its full YAML as `knock.yml`, its `axolotl train` and `axolotl merge-lora` commands (Axolotl's own console script,
 as a user types them), and the Python block that loads the adapter."""
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def test_the_axolotl_guide_runs_as_written(tmp_path):
     python = _blocks("python")
     made = _run([sys.executable, "-c", python[0]], tmp_path)
     assert made.returncode == 0, made.stderr[-3000:]
-    (tmp_path / "knock.yml").write_text(_blocks("yaml")[0])  # the page's first YAML, as written
+    runnable = [block for block in _blocks("yaml") if "datasets:" in block and "adapter: knock" in block]
+    (tmp_path / "knock.yml").write_text(runnable[0])  # the page's full YAML, as written
     commands = [line for line in _blocks("bash")[1].splitlines() if "axolotl " in line]
     assert [shlex.split(line.split("#")[0])[1:3] for line in commands] == [
         ["axolotl", "train"],
