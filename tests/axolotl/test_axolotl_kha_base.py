@@ -1,6 +1,7 @@
 """A converted KHA checkpoint as Axolotl's `base_model` (the plugin registers `model_type: kha` before Axolotl reads
-the config): full fine-tuning, knocks-only training (Axolotl's `unfrozen_parameters`), and a LoRA on it, with
-Axolotl's Triton LoRA kernels for the attention, which Axolotl switches on by itself, switched off by the plugin."""
+the config): full fine-tuning, knocks-only training (Axolotl's `unfrozen_parameters`), and a LoRA on it (merged by
+`axolotl merge-lora`), with Axolotl's Triton LoRA kernels for the attention, which Axolotl switches on by itself,
+switched off by the plugin."""
 
 from __future__ import annotations
 
@@ -87,6 +88,20 @@ def test_a_lora_on_a_kha_checkpoint_with_axolotls_kernel_defaults(kha_base, tmp_
     base = KHAForCausalLM.from_pretrained(kha_base, dtype=torch.float32)
     reloaded = PeftModel.from_pretrained(base, tmp_path / "out")
     assert_close(_logits(reloaded), _logits(model), what="LoRA on KHA reloaded vs in memory")
+
+    # axolotl merge-lora, Axolotl's default (shard-by-shard) method: a KHA checkpoint, knocks kept
+    import yaml
+    from axolotl.cli.merge_lora import do_cli
+
+    from tests.axolotl.runner import clear_plugins
+
+    clear_plugins()
+    (tmp_path / "merge.yml").write_text(yaml.safe_dump(cfg))
+    do_cli(config=str(tmp_path / "merge.yml"))
+    merged = KHAForCausalLM.from_pretrained(tmp_path / "out" / "merged", dtype=torch.float32)
+    assert_close(_logits(merged), _logits(model), atol=1e-5, what="LoRA on KHA merged by axolotl merge-lora")
+    untrained = KHAForCausalLM.from_pretrained(kha_base, dtype=torch.float32)  # PEFT wrapped `base` in place
+    assert (_logits(merged) - _logits(untrained)).abs().max() > 1e-4, "the merged model is the base: no LoRA merged"
 
 
 def test_attention_kernels_asked_for_on_a_kha_model_are_refused_in_one_line(kha_base, tmp_path):
