@@ -122,3 +122,20 @@ def test_a_kha_checkpoint_whose_config_lies_about_its_layers_is_refused_in_one_l
         validate(config(tmp_path, tmp_path / "kha", adapter="lora", lora_r=4, lora_alpha=8, lora_target_linear=True))
     assert len(str(err.value).splitlines()) == 1
     assert str(err.value).endswith("config.json says 4 layers, the weights hold 3 (layer indices 0..2)"), str(err.value)
+
+
+def test_a_lora_adapter_in_lora_model_dir_is_refused_in_one_line(llama, tmp_path):
+    """`adapter: knock` with `lora_model_dir` holding another method's adapter would go on with that adapter."""
+    from axolotl.utils.dict import DictDefault
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kha_hf.integrations.axolotl import KHAPlugin
+
+    lora = LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(llama), lora).save_pretrained(tmp_path / "lora")
+    cfg = DictDefault({"adapter": "knock", "lora_model_dir": str(tmp_path / "lora")})
+    with pytest.raises(ValueError) as err:
+        KHAPlugin().load_adapter(AutoModelForCausalLM.from_pretrained(llama), cfg)
+    assert str(err.value).startswith(f"adapter: knock, but lora_model_dir {tmp_path / 'lora'} holds a LORA adapter")
+    assert len(str(err.value).splitlines()) == 1

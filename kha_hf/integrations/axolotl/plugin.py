@@ -98,9 +98,9 @@ class KHAPlugin(BasePlugin):
     def load_adapter(self, model: Any, cfg: Any, inference: bool = False, config_only: bool = False) -> Any:
         if _get(cfg, "adapter") != KNOCK_ADAPTER:
             return None
-        from peft import PeftModel, get_peft_model
+        from peft import PeftConfig, PeftModel, get_peft_model
 
-        from ...peft import KnockConfig
+        from ...peft import KNOCK_PEFT_TYPE, KnockConfig
 
         config = KnockConfig(**knock_args(cfg).knock_config_kwargs())
         if config_only:
@@ -110,6 +110,13 @@ class KHAPlugin(BasePlugin):
             # a trained adapter (merge-lora, inference, a resumed run): load it, never build a fresh one, which
             # would "merge" identity knocks into a model equal to the base
             LOG.info(f"kha-hf: loading the knock adapter from {adapter_dir}")
+            saved = PeftConfig.from_pretrained(str(adapter_dir))
+            held = getattr(saved.peft_type, "value", saved.peft_type)
+            if held != KNOCK_PEFT_TYPE:
+                raise ValueError(
+                    f"adapter: knock, but lora_model_dir {adapter_dir} holds a {held} adapter: set adapter to what it "
+                    "holds, or point lora_model_dir at a knock adapter"
+                )
             model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=not inference)
             config = model.peft_config["default"]
         else:
