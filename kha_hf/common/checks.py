@@ -74,6 +74,10 @@ _ROPE_NUMBERS = ("rope_theta", "factor", "partial_rotary_factor")
 def check_config_values(config: dict, where: str) -> None:
     """Values that transformers only reads while building the model, where a bad one is a traceback (KeyError
     'evil', a str ** Tensor TypeError) or a silent NaN: checked here, before anything is built."""
+    for name in ("model_type", "base_model_type"):  # a list or dict would be a TypeError wherever it is looked up
+        value = config.get(name)
+        if value is not None and not isinstance(value, str):
+            raise KHAError(f"{where}: {name} must be a string, got a {type(value).__name__}")
     bad = _non_finite(config)
     if bad is not None:
         raise KHAError(f"{where}: {bad} is not a finite number")
