@@ -66,7 +66,8 @@ def check_knock_state_dict(
             f"its modules_to_save names: {others[:2]} (they would replace the base model's weights)"
         )
     for key, tensor in given_state.items():  # the modules_to_save tensors too: NaN there made every logit NaN
-        if key not in given and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        # .float(): torch.isfinite has no float8 kernel
+        if key not in given and tensor.is_floating_point() and not torch.isfinite(tensor.float()).all():
             raise ValueError(f"knock adapter {adapter_name!r}: {key} holds NaN or infinite values")
     check_knocks_fit(
         {key: tuple(tensor.shape) for key, tensor in expected.items()},
@@ -81,13 +82,23 @@ def check_knock_state_dict(
         ),
     )
     for key, tensor in given.items():
-        if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+        # float8 knocks are refused too: the knock's matmul has no float8 kernel (and isfinite none either)
+        if tensor.dtype.itemsize < 2 or not tensor.is_floating_point() or not torch.isfinite(tensor).all():
             raise ValueError(f"knock adapter {adapter_name!r}: {key} is not finite floating point ({tensor.dtype})")
 
 
-def _adapter_names_pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
-    """A forward pre-hook that hands ADAPTER_NAMES to a knock layer or modules_to_save wrapper (peft's LoRA hook)."""
-    kwargs["adapter_names"] = adapter_names
+def _adapter_names_pre_forward_hook(
+    module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str], tuner: KnockModel, held: set | None
+):
+    """A forward pre-hook that hands ADAPTER_NAMES (one per row) to a knock layer or modules_to_save wrapper, as
+    peft's LoRA hook does. Rows of an adapter the wrapper does not hold (HELD: its adapters; None: any) run its base
+    module. Inside `generate`, which repeats each row (beam search, num_return_sequences; from its keywords or any
+    generation config), each name is repeated alike."""
+    names = [name if held is None or name in held else "__base__" for name in adapter_names]
+    rows = len(args[0]) if args and isinstance(args[0], torch.Tensor) else len(names)
+    if tuner._generating and rows != len(names) and rows % len(names) == 0:
+        names = [name for name in names for _ in range(rows // len(names))]  # generate's repeat_interleave
+    kwargs["adapter_names"] = names
     return args, kwargs
 
 
@@ -250,6 +261,9 @@ class KnockModel(BaseTuner):
         if adapter_names is None:
             yield
             return
+        if not isinstance(adapter_names, (list, tuple)) or not all(isinstance(n, str) for n in adapter_names):
+            # a string would be read one character per row
+            raise TypeError(f"Got adapter names of type {type(adapter_names)}, expected a list of str.")
         if self.training:
             raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
         # one layer may lack an adapter (linear_v has no knock on k_proj): an adapter must be somewhere in the model
@@ -257,22 +271,37 @@ class KnockModel(BaseTuner):
         unexpected = {name for name in adapter_names if name != "__base__"} - expected
         if unexpected:
             raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unexpected))}")
-        num_beams = kwargs.get("num_beams")
-        if isinstance(num_beams, int) and num_beams > 1:  # generate repeats each row num_beams times
-            if not isinstance(adapter_names, (list, tuple)):
-                raise TypeError(f"Got adapter names of type {type(adapter_names)}, expected a list of str.")
-            adapter_names = [name for name in adapter_names for _ in range(num_beams)]
-        inject = partial(_adapter_names_pre_forward_hook, adapter_names=list(adapter_names))
-        handles = [
-            module.register_forward_pre_hook(inject, with_kwargs=True)
-            for module in self.modules()
-            if isinstance(module, (KnockLayer, AuxiliaryTrainingWrapper))
-        ]
+        handles = []
+        for module in self.modules():
+            if isinstance(module, (KnockLayer, AuxiliaryTrainingWrapper)):
+                saved = getattr(module, "modules_to_save", None)  # PEFT's wrapper: the adapters it holds a copy for
+                held = set(saved.keys()) if isinstance(module, AuxiliaryTrainingWrapper) and saved is not None else None
+                inject = partial(
+                    _adapter_names_pre_forward_hook, adapter_names=list(adapter_names), tuner=self, held=held
+                )
+                handles.append(module.register_forward_pre_hook(inject, with_kwargs=True))
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+
+    _generating = False  # True inside generate(): the hook then follows generate's repetition of rows
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward; `adapter_names=` is honoured here too (PEFT's BaseTuner.forward would drop it
+        and run the active adapter on every row)."""
+        with self._enable_peft_forward_hooks(*args, **kwargs):
+            kwargs.pop("adapter_names", None)
+            return self.model.forward(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's generate (PeftModel.generate calls this inside `_enable_peft_forward_hooks`)."""
+        self._generating = True
+        try:
+            return self.model.generate(*args, **kwargs)
+        finally:
+            self._generating = False
 
     def _check_merge_allowed(self) -> None:
         super()._check_merge_allowed()

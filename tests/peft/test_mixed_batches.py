@@ -113,3 +113,56 @@ def test_modules_to_save_follow_the_row_adapter_too():
     for i, name in enumerate(["b", "a", "__base__", "b"]):
         expected = alone(model, name, lambda: model(BATCH).logits)
         torch.testing.assert_close(mixed[i], expected[i], rtol=0, atol=1e-6, msg=f"row {i} ({name})")
+
+
+@torch.no_grad()
+def test_generate_repeats_the_names_however_the_rows_are_repeated(model):
+    """Beam search set in a GenerationConfig (not as a keyword), and sampling with num_return_sequences: generate
+    repeats each row, and each row's names must follow (the hook sees generate's repetition, not only num_beams=)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(num_beams=2, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    mixed = model.generate(input_ids=BATCH, adapter_names=ROW_ADAPTERS, generation_config=config)
+    for i, name in enumerate(ROW_ADAPTERS):
+        expected = alone(model, name, lambda: model.generate(input_ids=BATCH, generation_config=config))
+        assert torch.equal(mixed[i], expected[i]), f"row {i} ({name})"
+    sampling = dict(do_sample=True, num_return_sequences=2, max_new_tokens=4, pad_token_id=0)
+    torch.manual_seed(0)
+    mixed = model.generate(input_ids=BATCH, adapter_names=ROW_ADAPTERS, **sampling)
+    assert mixed.shape[0] == 2 * len(ROW_ADAPTERS)
+    for i, name in enumerate(ROW_ADAPTERS):
+        torch.manual_seed(0)
+        expected = alone(model, name, lambda: model.generate(input_ids=BATCH, **sampling))
+        assert torch.equal(mixed[2 * i : 2 * i + 2], expected[2 * i : 2 * i + 2]), f"rows of {i} ({name})"
+
+
+@torch.no_grad()
+def test_the_tuner_itself_honours_adapter_names(model):
+    """`peft_model.base_model(ids, adapter_names=...)`: PEFT's BaseTuner.forward would drop the argument and run the
+    active adapter on every row."""
+    mixed = model.base_model(BATCH, adapter_names=ROW_ADAPTERS).logits
+    expected = model(BATCH, adapter_names=ROW_ADAPTERS).logits
+    torch.testing.assert_close(mixed, expected, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_adapter_names_must_be_a_list_of_names(model):
+    for names in ("ab", ["a", None, "b", "a"], "__base__"):
+        with pytest.raises(TypeError, match="expected a list of str"):
+            model(BATCH, adapter_names=names)
+
+
+@torch.no_grad()
+def test_modules_to_save_of_some_adapters_only():
+    """Adapter "b" trains its own lm_head, "a" does not: a's rows use the base lm_head, as "a" alone does (PEFT's
+    wrapper would raise KeyError: 'a')."""
+    model = get_peft_model(tiny_base_model("llama"), KnockConfig(knock="linear_v", init_weights=False), "a")
+    model.add_adapter("b", KnockConfig(knock="linear_v", init_weights=False, modules_to_save=["lm_head"]))
+    head = model.base_model.model.lm_head.modules_to_save["b"]
+    head.weight.add_(0.5 * torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(5)))
+    model.eval()
+    names = ["b", "a", "__base__", "a"]
+    mixed = model(BATCH, adapter_names=names).logits
+    for i, name in enumerate(names):
+        expected = alone(model, name, lambda: model(BATCH).logits)
+        torch.testing.assert_close(mixed[i], expected[i], rtol=0, atol=1e-6, msg=f"row {i} ({name})")
