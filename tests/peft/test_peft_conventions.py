@@ -69,3 +69,15 @@ def test_a_merge_knocks_the_projection_bias_too():
         model.unmerge_adapter()
         assert_close(model(IDS).logits, expected, atol=1e-5, what="unmerged again")
         assert_close(v_proj.bias, bias_before, atol=1e-6, what="bias restored")
+
+
+def test_a_float8_knock_in_an_adapter_file_is_refused_in_one_line(tmp_path):
+    """torch.isfinite has no float8 kernel: a hostile adapter with float8 knocks was a NotImplementedError traceback."""
+    from safetensors.torch import load_file, save_file
+
+    get_peft_model(tiny_base_model("llama"), KnockConfig(knock="linear_v")).save_pretrained(tmp_path)
+    path = tmp_path / "adapter_model.safetensors"
+    tensors = {key: t.to(torch.float8_e4m3fn) if "knock" in key else t for key, t in load_file(path).items()}
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match="is not finite floating point \\(torch.float8_e4m3fn\\)"):
+        PeftModel.from_pretrained(tiny_base_model("llama"), tmp_path)
