@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..common.checkpoint import Checkpoint, open_checkpoint
 from ..common.checks import check_config_numbers
 from ..common.errors import KHAError
 from ..common.safetensors_index import TensorInfo
 from ..modeling.configuration_kha import KHAConfig
+from ..modeling.knocks import finite_mask
 from .knock_tensors import KNOCK_KEY, knock_specs, layer_prefix
 
 
@@ -41,15 +42,29 @@ class KHACheckpoint:
         return self.checkpoint.tensors
 
     def read_knocks(self) -> dict[str, torch.Tensor]:
-        """Every knock tensor, by name, read one shard at a time; NaN or infinite values refused."""
+        """Every knock tensor, by name, read one shard at a time; NaN or infinite values refused, and so is a knock
+        that is no longer what the checked header said (a shard replaced or removed since the folder was opened:
+        each read, e.g. `kha inspect --plot`'s table and then its plot, reads the files again)."""
         by_file: dict[str, list[str]] = {}
         for name in self.knock_names:
             by_file.setdefault(self.tensors[name].file, []).append(name)
         knocks = {}
         for file, names in by_file.items():
-            with safe_open(self.folder / file, framework="pt") as f:
-                for name in names:
-                    knocks[name] = f.get_tensor(name)
+            path = self.folder / file
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for name in names:
+                        knocks[name] = f.get_tensor(name)
+            except (OSError, SafetensorError) as err:  # safetensors' error is no OSError
+                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise KHAError(f"{path} cannot be read since the folder was checked ({reason}); run again") from None
+            for name in names:
+                info, tensor = self.tensors[name], knocks[name]
+                if tensor.dtype != info.dtype or tuple(tensor.shape) != tuple(info.shape):
+                    raise KHAError(
+                        f"{path}: knock tensor {name} is now {tensor.dtype} {list(tensor.shape)}, not the checked "
+                        f"{info.dtype} {list(info.shape)}: the file changed since the folder was opened; run again"
+                    )
         check_finite(knocks, self.folder)
         return knocks
 
@@ -118,6 +133,7 @@ def _layers(config: KHAConfig) -> str:
 def check_finite(knocks: dict[str, torch.Tensor], folder: Path) -> None:
     """NaN or infinite knock values would spread into every weight they are folded into."""
     for name, tensor in knocks.items():
-        if not torch.isfinite(tensor).all():
-            bad = int((~torch.isfinite(tensor)).sum())
+        finite = finite_mask(tensor)
+        if not finite.all():
+            bad = int((~finite).sum())
             raise KHAError(f"{folder}: knock tensor {name} holds {bad} NaN or infinite values; refusing to use it")

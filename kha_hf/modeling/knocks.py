@@ -85,6 +85,13 @@ def _knock_block(block: tuple, states: torch.Tensor, owner: nn.Module) -> torch.
     return torch.cat(knocked, dim=-1).flatten(-2)
 
 
+def finite_mask(tensor: torch.Tensor) -> torch.Tensor:
+    """`torch.isfinite` of TENSOR, float8 included (torch has no isfinite for the 1-byte floats: they are upcast)."""
+    if tensor.is_floating_point() and tensor.element_size() == 1:
+        tensor = tensor.float()
+    return torch.isfinite(tensor)
+
+
 def fold_projection(weight: torch.Tensor, knock: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
     """W (out, in) or b (out,) -> `knock @ W[rows]` for each head's rows of the knock's target (each d rows), in
     float64, cast back to W's dtype; the other rows are left as they are.
@@ -95,7 +102,7 @@ def fold_projection(weight: torch.Tensor, knock: torch.Tensor, rows: list[tuple[
     heads = weight[index].reshape(len(rows), -1, *weight.shape[1:]).double()  # (n, d, in) or (n, d)
     folded = torch.einsum("ij,nj...->ni...", knock.double(), heads)
     cast = folded.reshape(-1, *weight.shape[1:]).to(weight.dtype)
-    if not torch.isfinite(cast).all() and torch.isfinite(folded).all():
+    if not finite_mask(cast).all() and torch.isfinite(folded).all():
         raise OverflowError(
             f"the folded values reach {folded.abs().max().item():.4g}, beyond the range of {weight.dtype} "
             f"(largest {torch.finfo(weight.dtype).max:.4g})"

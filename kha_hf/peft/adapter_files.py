@@ -28,6 +28,7 @@ from ..common.errors import KHAError
 from ..common.paths import check_source_links
 from ..common.safetensors_index import read_header
 from ..conversion.converter import TrainedKnocks
+from ..modeling.knocks import finite_mask
 from .config import KNOCK_PEFT_TYPE, KnockConfig
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -89,7 +90,7 @@ def read_adapter_knocks(folder: Path) -> dict[str, torch.Tensor]:
     with safe_open(path, framework="pt") as f:
         for key, kha_key in names.items():
             tensor = f.get_tensor(key)
-            if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+            if not tensor.is_floating_point() or not finite_mask(tensor).all():
                 raise KHAError(f"{path}: {key} is not finite floating point ({tensor.dtype})")
             knocks[kha_key] = tensor
     if not knocks:
