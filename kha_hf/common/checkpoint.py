@@ -25,8 +25,10 @@ from .checks import (
     check_config_numbers,
     check_head_weights,
     check_multimodal_weights,
+    check_tensor_shapes,
     check_weights_match_config,
     kha_head_name,
+    model_tensor_shapes,
 )
 from .errors import KHAError
 from .safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index
@@ -142,7 +144,8 @@ class Checkpoint:
 
     def check(self) -> None:
         """One-line KHAError when config.json cannot describe the safetensors weights (`checks.py`'s rules: its
-        numbers, the layer count, vocabulary, head, attention layout, a multimodal model's every parameter)."""
+        numbers, the layer count, vocabulary, head, attention layout, every tensor's shape and floating dtype: a
+        multimodal model's every parameter, a decoder's every tensor the model has)."""
         config, where = self.config, self.where
         if config is None:
             raise KHAError(f"{self.folder} has no readable config.json: not a transformers checkpoint folder")
@@ -165,6 +168,8 @@ class Checkpoint:
             check_multimodal_weights(built, tensors, where)
         else:
             check_attention_layout(built, tensors, where)
+            base = built.to_base_config() if self.is_kha else built
+            check_tensor_shapes(model_tensor_shapes(base, where), tensors, where)
 
 
 def open_checkpoint(folder: str | Path, required: bool = False) -> Checkpoint:

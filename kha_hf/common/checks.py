@@ -207,6 +207,37 @@ def check_attention_layout(config, tensors: dict[str, TensorInfo], where: str) -
                 )
 
 
+def model_tensor_shapes(base, where: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the causal LM that BASE (a base config object) describes holds, the tied output
+    aside; the model is built on the meta device (no memory, no weights). One-line KHAError where the family's code
+    cannot build it."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            skeleton = AutoModelForCausalLM.from_config(base)
+        except Exception as err:  # the family's code rejects what it cannot build, in its own words
+            raise KHAError(f"{where}: {str(err)[:300]}") from None
+    expected = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
+    if getattr(base, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    return expected
+
+
+def check_tensor_shapes(expected: dict[str, tuple[int, ...]], tensors: dict[str, TensorInfo], where: str) -> None:
+    """Every tensor of TENSORS that the model has (EXPECTED, `model_tensor_shapes`) has its shape (input features,
+    the embedding's and the output's rows, ...) and a floating-point dtype: transformers would stop on a size
+    mismatch with a traceback, and an integer weight computes nothing a model means."""
+    for name, info in tensors.items():
+        shape = expected.get(name)
+        if shape is None:
+            continue
+        if tuple(info.shape) != shape:
+            raise KHAError(f"{where}: {name} has shape {list(info.shape)}; the config gives {list(shape)}")
+        if not info.dtype.is_floating_point:
+            raise KHAError(f"{where}: {name} is stored as {info.dtype}, not a floating-point tensor")
+
+
 def _module_path(name: str) -> str:
     """NAME without the `model.` / `language_model.` components, where multimodal checkpoints of transformers'
     older and newer layouts differ (`language_model.model.layers.0...` = `model.language_model.layers.0...`)."""

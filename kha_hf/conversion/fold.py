@@ -23,7 +23,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
-from ..common.checks import architectures_of, check_head_weights, check_multimodal_weights
+from ..common.checks import architectures_of, check_head_weights
 from ..common.errors import KHAError
 from ..common.model_card import kha_card, read_source_card
 from ..common.model_code import copy_model_code
@@ -31,6 +31,7 @@ from ..common.output import atomic_output_dir, carry_over_files, place_file, rep
 from ..common.paths import check_destination, check_free_space, check_source_links
 from ..common.safetensors_index import INDEX_FILE, shard_files
 from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, family_heads
+from ..modeling.knocks import finite_mask
 from .fold_plan import checked_fold_plan, fold_checked
 from .knock_reader import open_kha_checkpoint
 
@@ -108,8 +109,9 @@ def fold(
     if kind != lm and kind not in family_heads(config.base_model_type):
         raise KHAError(f"{kha_dir}: {config.base_model_type} has no {kind.removeprefix('KHAFor')} head in transformers")
     check_head_weights(raw, kind, tensors, where)  # the head is written out as it is: it must be the one named
-    if config.is_multimodal:  # the stock config written must describe these weights (vision tower included)
-        check_multimodal_weights(config, tensors, where)
+    # the stock config written must describe these weights: layers, every tensor's shape and dtype (a multimodal
+    # model's vision tower too), as gguf export, verify and serve check them
+    kha.checkpoint.check()
     plan, folded_knocks = checked_fold_plan(kha, linear)
     dropped = set(folded_knocks)
 
@@ -129,6 +131,9 @@ def fold(
                     new = {}
                     for name in kept:
                         tensor = f.get_tensor(name)
+                        if name in plan and not finite_mask(tensor).all():  # NaN * knock is NaN: no overflow seen
+                            bad = int((~finite_mask(tensor)).sum())
+                            raise KHAError(f"{kha_dir}: {name} holds {bad} NaN or infinite values; refusing to fold it")
                         for knock, rows in plan.get(name, ()):
                             tensor = fold_checked(tensor, knock, rows, name, kha_dir)
                         new[name] = tensor

@@ -33,7 +33,13 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..common.checkpoint import open_checkpoint
-from ..common.checks import check_attention_layout, check_config_numbers, check_weights_match_config
+from ..common.checks import (
+    check_attention_layout,
+    check_config_numbers,
+    check_tensor_shapes,
+    check_weights_match_config,
+    model_tensor_shapes,
+)
 from ..common.errors import KHAError
 from ..common.output import atomic_output_file
 from ..common.paths import check_file_destination, check_free_space, check_place, check_source_links
@@ -260,19 +266,10 @@ def check_checkpoint_tensors(raw: dict, base, tensors: dict, folder: Path) -> No
     (knocks and the tied output aside): a config that does not describe them would give a file llama.cpp loads with
     other sizes or cannot load at all. The layer count and sizes are compared first, from the headers alone, so that
     an absurd config builds nothing."""
-    from transformers import AutoModelForCausalLM
-
     where = str(folder / "config.json")
     check_weights_match_config(raw, tensors, where)
     check_attention_layout(base, tensors, where)
-    with torch.device("meta"):
-        try:
-            skeleton = AutoModelForCausalLM.from_config(base)
-        except Exception as err:  # the family's code rejects what it cannot build, in its own words
-            raise KHAError(f"{where}: {str(err)[:300]}") from None
-    expected = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
-    if getattr(base, "tie_word_embeddings", False):
-        expected.pop("lm_head.weight", None)
+    expected = model_tensor_shapes(base, where)
     given = {name: info for name, info in tensors.items() if not KNOCK_KEY.match(name)}
     missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
     if missing or extra:
@@ -281,11 +278,7 @@ def check_checkpoint_tensors(raw: dict, base, tensors: dict, folder: Path) -> No
             f"{where} does not describe the weights: {len(missing)} tensors missing {missing[:2]}, {len(extra)} not "
             f"in this architecture {extra[:2]}{tied}"
         )
-    for name, info in given.items():
-        if tuple(info.shape) != expected[name]:
-            raise KHAError(f"{folder}: {name} has shape {list(info.shape)}; the config gives {list(expected[name])}")
-        if not info.dtype.is_floating_point:
-            raise KHAError(f"{folder}: {name} is stored as {info.dtype}, not a floating-point tensor")
+    check_tensor_shapes(expected, given, str(folder))
 
 
 UINT32_FIELDS = ("max_position_embeddings", "sliding_window", "num_hidden_layers", "hidden_size", "intermediate_size")

@@ -114,3 +114,45 @@ def test_a_float8_adapter_knock_with_nan_is_refused_in_one_line(tmp_path):
     with pytest.raises(KHAError) as err:
         read_knock_adapter(tmp_path / "adapter")
     assert f"{name} is not finite floating point (torch.float8_e4m3fn)" in str(err.value)
+
+
+def _config(folder, **values):
+    import json
+
+    data = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**data, **values}))
+
+
+@pytest.mark.parametrize(
+    "break_it, message",
+    [
+        ("layers", "config.json says 4 layers, the weights hold 3"),
+        ("in_features", f"{Q0} has shape [64, 65]; the config gives [64, 64]"),
+        ("int32", f"{Q0} is stored as torch.int32, not a floating-point tensor"),
+        ("lm_head", "lm_head.weight has shape [299, 64]; the config gives [300, 64]"),
+        ("nan", f"{Q0} holds 1 NaN or infinite values; refusing to fold it"),
+    ],
+)
+def test_fold_refuses_a_folder_whose_config_does_not_describe_its_weights(kha, tmp_path, capsys, break_it, message):
+    """kha fold wrote these as a stock checkpoint (exit 0) that gguf export, verify and serve refuse."""
+    stored = load_file(kha / "model.safetensors")
+    if break_it == "layers":
+        _config(kha, num_hidden_layers=4, knock_layers=[0, 1, 2])
+    elif break_it == "in_features":
+        _edit(kha, **{Q0: torch.zeros(64, 65)})
+    elif break_it == "int32":
+        _edit(kha, **{Q0: torch.zeros(64, 64, dtype=torch.int32)})
+    elif break_it == "lm_head":
+        _edit(kha, **{"lm_head.weight": torch.zeros(299, 64)})
+    else:
+        nan = stored[Q0].clone()
+        nan[0, 0] = float("nan")
+        _edit(kha, **{Q0: nan})
+    from kha_hf.cli import main
+
+    capsys.readouterr()
+    assert main(["fold", str(kha), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()  # a NaN is found while the shards are read: after the progress bar
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("kha fold: error: "), err
+    assert message in err.splitlines()[-1]
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".kha-*"))
