@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -458,14 +459,63 @@ def load_causal_lm(
 
         auto = AutoModelForImageTextToText
     try:
-        if gguf is not None:
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
-        else:
-            kwargs.update(remote_code_kwargs(ref, trust_remote_code, checkpoint=checkpoint))
-            model = auto.from_pretrained(ref, **kwargs)
+        with _LoadReport() as report:
+            if gguf is not None:
+                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
+            else:
+                kwargs.update(remote_code_kwargs(ref, trust_remote_code, checkpoint=checkpoint))
+                model = auto.from_pretrained(ref, **kwargs)
     except (OSError, ValueError) as err:
         remote = _remote_code_error(ref, err)
         if remote is not None:
             raise remote from err
         raise KHAError(f"cannot load model {str(ref)!r}: {describe_error(err)}") from err
+    except RuntimeError as err:  # a weight of another size than the model has: transformers raises after its report
+        mismatch = report.size_mismatch(str(err))
+        if mismatch is None:
+            raise
+        raise KHAError(f"cannot load model {str(ref)!r}: {mismatch}") from err
     return model.to(device).eval(), tok
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_SIZE = r"torch\.Size\((\[[^\]]*\])\)"
+# transformers' load report row (`name | MISMATCH | Reinit due to size mismatch - ckpt: ... vs model:...`; a narrow
+# terminal's report has no shapes) and the older state_dict error (`size mismatch for name: copying a param ...`)
+_REPORT_ROW = re.compile(rf"^\s*([\w.]+)\s*\|\s*MISMATCH\b(?:.*?ckpt: {_SIZE} vs model:\s*{_SIZE})?", re.MULTILINE)
+_STATE_DICT = re.compile(
+    rf"size mismatch for ([\w.]+): copying a param with shape {_SIZE} from checkpoint, "
+    rf"the shape in current model is {_SIZE}"
+)
+
+
+class _LoadReport(logging.Handler):
+    """transformers' warnings while a model loads: its load report names a weight whose size the model does not
+    have, which its RuntimeError ("You set `ignore_mismatched_sizes` to `False`...") leaves to the report."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.text: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.text.append(_ANSI.sub("", record.getMessage()))
+
+    def __enter__(self):
+        logging.getLogger("transformers").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("transformers").removeHandler(self)
+
+    def size_mismatch(self, error: str) -> str | None:
+        """One line naming the first weight stored with another size than the model has, or None when ERROR is not
+        a size mismatch."""
+        match = _STATE_DICT.search(error)
+        if match is None and "mismatch" in error:
+            match = _REPORT_ROW.search("\n".join(self.text))
+        if match is None:  # a report not logged (transformers' verbosity) still says what went wrong, in one line
+            return "a weight is stored with another shape than its config.json gives" if "mismatch" in error else None
+        name, stored, model = match.groups()
+        if stored is None:
+            return f"{name} is stored with another shape than the model its config.json describes"
+        return f"{name} is stored with shape {stored}; the model its config.json describes has {model}"

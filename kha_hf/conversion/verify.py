@@ -9,6 +9,7 @@ import torch
 
 from ..common.checkpoint import Checkpoint, open_checkpoint
 from ..common.errors import KHAError
+from .knock_reader import open_kha_checkpoint
 
 PROMPTS = (
     "The capital of France is",
@@ -107,6 +108,7 @@ def verify_conversion(
     for checkpoint in (base_checkpoint, kha):  # both, before either is loaded
         if checkpoint is not None:
             checkpoint.check()
+    open_kha_checkpoint(kha)  # its knocks, as fold and inspect check them: each one there, d_h x d_h floating point
     head = kha.task_head()
     if head is not None:  # a reward model or classifier: its head's outputs, exactly
         checkpoints = (base_checkpoint, kha)

@@ -140,6 +140,7 @@ def write_knock_adapter(
             f"{kha_dir} is a multimodal KHA checkpoint: knock adapters are made for stock text decoders only; "
             "serve or fine-tune the KHA checkpoint itself"
         )
+    kha.checkpoint.check()  # config.json describes the weights: no random layer, no misshapen tensor in the model
     kha.read_knocks()  # NaN or infinite knocks refused
     try:
         model = KHAForCausalLM.from_pretrained(kha_dir)
