@@ -26,7 +26,7 @@ ALLOWED = {
     # run in vLLM's processes (the vllm.general_plugins entry point): the model code, nothing of kha_hf's tools
     "vllm_plugin": {"vllm_plugin", "modeling"},
     # plugins for other trainers (Axolotl): the model, the knock adapter and the training rules, as a user's code would
-    "integrations": {"integrations", "common", "modeling", "peft", "training"},
+    "integrations": {"integrations", "common", "modeling", "conversion", "peft", "training"},
     # the multi-step runs (train several arms, evaluate them): every tool part, never the CLI or the server
     "workflows": {"workflows", "common", "modeling", "conversion", "eval", "peft", "training"},
     "cli": {"kha_hf", "cli", "common", "modeling", "conversion", "eval", "peft", "serving", "training", "workflows"},

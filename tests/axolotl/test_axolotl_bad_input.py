@@ -139,3 +139,94 @@ def test_a_lora_adapter_in_lora_model_dir_is_refused_in_one_line(llama, tmp_path
         KHAPlugin().load_adapter(AutoModelForCausalLM.from_pretrained(llama), cfg)
     assert str(err.value).startswith(f"adapter: knock, but lora_model_dir {tmp_path / 'lora'} holds a LORA adapter")
     assert len(str(err.value).splitlines()) == 1
+
+
+def _kha_base(tmp_path, edit):
+    """A tiny KHA checkpoint (linear_qkv) whose safetensors EDIT changed."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path / "kha", "llama", knock="linear_qkv")
+    path = tmp_path / "kha" / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return tmp_path / "kha"
+
+
+def _nan_knock(tensors):
+    key = "model.layers.0.self_attn.k_knock.weight"
+    tensors[key] = tensors[key] * float("nan")
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (_nan_knock, "k_knock.weight holds 256 NaN or infinite values"),
+        (lambda t: t.pop("model.layers.0.self_attn.k_knock.weight"), "model.layers.0.self_attn.k_knock.weight"),
+    ],
+    ids=["nan-knock", "missing-knock"],
+)
+def test_a_kha_base_with_a_broken_knock_is_refused_in_one_line(tmp_path, edit, expected):
+    """A NaN knock trained to an all-NaN model that Axolotl logged as loss 0; a missing one trained as the identity."""
+    from kha_hf.common.errors import KHAError
+    from tests.axolotl.runner import config, validate
+
+    kha = _kha_base(tmp_path, edit)
+    with pytest.raises(KHAError) as err:
+        validate(config(tmp_path, kha))
+    assert expected in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+def test_the_weights_folder_is_checked_even_when_base_model_config_names_a_sound_one(tmp_path):
+    from kha_hf.common.errors import KHAError
+    from tests.axolotl.runner import config, validate
+    from tests.helpers import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp_path / "sound", "llama", knock="linear_qkv")
+    broken = _kha_base(tmp_path, _nan_knock)
+    with pytest.raises(KHAError, match="k_knock.weight holds 256 NaN or infinite values"):
+        validate(config(tmp_path, broken, base_model_config=str(tmp_path / "sound")))
+
+
+@pytest.mark.parametrize("layers", [["7"], [7.0], [], [True]])
+def test_knock_layers_must_be_a_non_empty_list_of_integers(llama, tmp_path, layers):
+    """ "7" and 7.0 were coerced to 7 after the layer check had skipped them; [] knocked nothing (PEFT's unclear
+    error at load)."""
+    from tests.axolotl.runner import config
+
+    message = _validation_error(
+        config(tmp_path, llama, adapter="knock", knock={"preset": "linear_v", "layers": layers})
+    )
+    assert "knock.layers" in message, message
+
+
+def test_modules_to_save_naming_no_module_is_refused_in_one_line(llama):
+    from axolotl.utils.dict import DictDefault
+    from transformers import AutoModelForCausalLM
+
+    from kha_hf.integrations.axolotl import KHAPlugin
+
+    cfg = DictDefault({"adapter": "knock", "knock": {"preset": "linear_v", "modules_to_save": ["nonexistent"]}})
+    with pytest.raises(ValueError, match=r"knock.modules_to_save \['nonexistent'\] names no module of this model"):
+        KHAPlugin().load_adapter(AutoModelForCausalLM.from_pretrained(llama), cfg)
+
+
+def test_a_saved_adapter_other_than_the_knock_block_asks_for_is_used_with_a_warning(llama, tmp_path, monkeypatch):
+    from axolotl.utils.dict import DictDefault
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kha_hf import KnockConfig
+    from kha_hf.integrations.axolotl import KHAPlugin, plugin
+
+    get_peft_model(AutoModelForCausalLM.from_pretrained(llama), KnockConfig(knock="linear_qkv")).save_pretrained(
+        tmp_path / "saved"
+    )
+    warnings = []
+    monkeypatch.setattr(plugin.LOG, "warning", warnings.append)
+    cfg = DictDefault({"adapter": "knock", "knock": {"preset": "linear_v"}, "lora_model_dir": str(tmp_path / "saved")})
+    _, config = KHAPlugin().load_adapter(AutoModelForCausalLM.from_pretrained(llama), cfg)
+    assert config.knock_types == {"q": "linear", "k": "linear", "v": "linear"}
+    assert len(warnings) == 1 and "using the saved adapter" in warnings[0], warnings

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from ...modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
 from ...modeling.families import FAMILIES, attention_layers
@@ -26,8 +26,11 @@ class KnockArgs(BaseModel):
     knock_q: Literal["none", "linear"] | None = Field(default=None, description="override the query knock")
     knock_k: Literal["none", "linear"] | None = Field(default=None, description="override the key knock")
     knock_v: Literal["none", "linear", "mlp"] | None = Field(default=None, description="override the value knock")
-    layers: list[int] | None = Field(default=None, description="layer indices (all softmax-attention layers if unset)")
-    init_weights: bool = Field(default=True, description="identity at init (False: a seeded perturbation of it)")
+    # strict: "7" or 7.0 would be coerced after the layer check below had skipped them; [] would knock nothing
+    layers: list[StrictInt] | None = Field(
+        default=None, min_length=1, description="layer indices (all softmax-attention layers if unset)"
+    )
+    init_weights: StrictBool = Field(default=True, description="identity at init (False: a seeded perturbation of it)")
     modules_to_save: list[str] | None = Field(default=None, description="other modules to train in full and save")
 
     def knock_config_kwargs(self) -> dict[str, Any]:

@@ -41,6 +41,17 @@ def knock_args(cfg: Any) -> KnockArgs:
     return KnockArgs(**(block.to_dict() if hasattr(block, "to_dict") else dict(block)))
 
 
+def check_kha_base(folder: Path) -> None:
+    """A KHA checkpoint as base_model: kha train's checks (a config that does not describe the weights, a task head
+    trained as a causal LM...), exactly the knock tensors its config describes, and finite knock values (a NaN knock
+    trained to a NaN model that Axolotl logged as loss 0), each refused in one line before Axolotl loads anything."""
+    from ...conversion.knock_reader import open_kha_checkpoint
+    from ...training.train import check_trainable_config
+
+    check_trainable_config(folder)
+    open_kha_checkpoint(folder).read_knocks()
+
+
 class KHAPlugin(BasePlugin):
     """Knock adapters (`adapter: knock`, a `knock:` block) and KHA checkpoints as `base_model` in Axolotl."""
 
@@ -58,18 +69,36 @@ class KHAPlugin(BasePlugin):
             return
         if cfg.get("adapter") == KNOCK_ADAPTER:
             self._choose_merge_method(cfg)
+            if cfg.get("merge_lora"):
+                self._refuse_unmergeable(cfg)
         config = base_model_config(dict(cfg))
         if getattr(config, "model_type", None) != "kha":
             return
-        folder = Path(str(cfg.get("base_model_config") or cfg.get("base_model")))
-        if folder.is_dir():
-            # kha train's checks, one line each (a config that does not describe the weights, a task head trained
-            # as a causal LM...), before Axolotl loads anything
-            from ...training.train import check_trainable_config
-
-            check_trainable_config(folder)
+        # both folders: base_model_config may name a sound config beside the weights Axolotl loads from base_model
+        names = (cfg.get("base_model_config"), cfg.get("base_model"))
+        for folder in dict.fromkeys(Path(str(name)) for name in names if name):
+            if folder.is_dir():
+                check_kha_base(folder)
         if cfg.get("adapter") in ("lora", "qlora"):
             self._attention_kernels_off(cfg)
+
+    @staticmethod
+    def _refuse_unmergeable(cfg: Any) -> None:
+        """`axolotl merge-lora` of an MLP knock adapter: one line before any model loads (PEFT's merge would refuse
+        it only after loading the base and the adapter)."""
+        folder = Path(str(cfg.get("lora_model_dir") or cfg.get("output_dir") or ""))
+        if not (folder / "adapter_config.json").is_file():
+            return  # Axolotl reports a missing adapter itself
+        from peft import PeftConfig
+
+        saved = PeftConfig.from_pretrained(str(folder))
+        mlp = [target for target, kind in getattr(saved, "knock_types", {}).items() if kind == "mlp"]
+        if mlp:
+            raise ValueError(
+                f"the knock adapter in {folder} has MLP knocks ({', '.join(mlp)}), which are non-linear and cannot be "
+                "merged into the projections: make a KHA model of base + adapter instead (kha convert BASE DST "
+                "--adapter DIR, or kha_hf.peft.to_kha_model), which kha serve and vLLM serve"
+            )
 
     @staticmethod
     def _choose_merge_method(cfg: Any) -> None:
@@ -118,9 +147,31 @@ class KHAPlugin(BasePlugin):
                     "holds, or point lora_model_dir at a knock adapter"
                 )
             model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=not inference)
-            config = model.peft_config["default"]
+            asked, config = config, model.peft_config["default"]
+            if _get(cfg, "knock") is not None and (asked.knock_types, asked.knock_layers) != (
+                config.knock_types,
+                config.knock_layers,
+            ):  # a resumed run whose YAML was edited: the saved adapter wins, and the user should know
+                LOG.warning(
+                    f"kha-hf: the knock: block asks for {asked.knock_types} on layers {asked.knock_layers or 'all'}, "
+                    f"the adapter in {adapter_dir} holds {config.knock_types} on {config.knock_layers or 'all'}: "
+                    "using the saved adapter"
+                )
         else:
+            _check_modules_to_save(model, config)
             model = get_peft_model(model, config)
         if not inference:
             model.print_trainable_parameters()
         return model, config
+
+
+def _check_modules_to_save(model: Any, config: Any) -> None:
+    """One line for a `modules_to_save` entry that names no module of MODEL (PEFT would train and save without it)."""
+    names = [name for name, _ in model.named_modules()]
+    missing = [
+        wanted
+        for wanted in config.modules_to_save or ()
+        if not any(name == wanted or name.endswith(f".{wanted}") for name in names)
+    ]
+    if missing:
+        raise ValueError(f"knock.modules_to_save {missing} names no module of this model")
