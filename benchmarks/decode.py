@@ -16,8 +16,8 @@ import torch
 from common import PRESETS, header, interleaved_medians, qwen3_config, ratio_table, twins
 from transformers import DynamicCache
 
-from kha_hf.conversion.fold import fold_projection
 from kha_hf.modeling.families import STANDARD, segment_rows
+from kha_hf.modeling.knocks import fold_projection
 
 
 def folded_copy(kha_linear, base_cls):
