@@ -24,13 +24,11 @@ from types import ModuleType
 import pytest
 
 
-def cache_root(dist: str, version: str, recipe: object = None) -> Path:
+def cache_root(dist: str, version: str, recipe: object) -> Path:
     """The cache folder of DIST VERSION's tests, prepared by RECIPE (the files, stubs and edits: a changed recipe
     is a new folder, never an old extraction reused)."""
     default = Path.home() / ".cache" / "kha_hf" / "upstream-tests"
     root = Path(os.environ.get("KHA_UPSTREAM_TESTS_CACHE", default))
-    if dist == "transformers" and not recipe:
-        return root / version  # the layout of earlier releases of this file
     return root / f"{dist}-{version}-{zlib.crc32(repr(recipe).encode()):08x}"
 
 
@@ -74,7 +72,7 @@ def prepare_sdist_tests(
 ) -> Path:
     """The folder that holds PACKAGE (FILES of the DIST VERSION sdist's tests/, with STUBS written beside them and
     EDITS {file: [(old, new)]} applied), fetched and extracted on first use (atomically: a rename at the end)."""
-    root = cache_root(dist, version, (files, stubs, edits) if dist != "transformers" else None)
+    root = cache_root(dist, version, (files, stubs, edits))
     if all((root / package / name).is_file() for name in files):
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
