@@ -14,9 +14,40 @@ def main() -> int:
         # part of kha_hf runs first): one line, not a traceback
         if type(err).__name__ != "UnsupportedTransformers":
             raise
+        if sys.argv[1:] == ["--version"]:  # what is installed is what the user needs to see here
+            print(_versions_from_metadata())
+            print(f"kha: warning: {err}", file=sys.stderr)
+            return 0
         print(f"kha: error: {err}", file=sys.stderr)
         return 2
     return kha_main()
+
+
+def _versions_from_metadata() -> str:
+    """`kha --version`'s line, read from the distributions' metadata: kha_hf itself cannot be imported here."""
+    from importlib import metadata
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    libraries = ", ".join(f"{name} {installed(name)}" for name in ("transformers", "torch", "peft"))
+    return f"kha-hf {_own_version()} ({libraries})"
+
+
+def _own_version() -> str:
+    """kha_hf.__version__ from its file (finding a top-level package does not import it)."""
+    import importlib.util
+    from pathlib import Path
+
+    package = importlib.util.find_spec("kha_hf")
+    path = Path(package.submodule_search_locations[0]) / "common" / "version.py"
+    spec = importlib.util.spec_from_file_location("_kha_hf_version", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.__version__
 
 
 if __name__ == "__main__":

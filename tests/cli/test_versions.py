@@ -149,3 +149,19 @@ def test_kha_eval_on_an_lm_eval_below_its_floor_is_one_line(tmp_path):
     assert run.stdout.strip() == ("kha eval needs lm_eval>=0.4.13, installed: 0.4.11: pip install 'lm_eval>=0.4.13'"), (
         run.stdout + run.stderr[-2000:]
     )
+
+
+def test_kha_version_answers_under_an_old_transformers(tmp_path):
+    """`kha --version` is what a user runs to see why kha refuses: it prints the versions, then the refusal."""
+    from kha_hf.common.version import __version__
+
+    env = fake_transformers(tmp_path, "5.10.0")
+    cli = subprocess.run(
+        [sys.executable, "-m", "kha_hf_entry", "--version"], env=env, capture_output=True, text=True, cwd=ROOT
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.startswith(f"kha-hf {__version__} (transformers 5.10.0, torch ")
+    assert cli.stderr.strip().splitlines() == [
+        f"kha: warning: kha-hf supports transformers>={TRANSFORMERS_FLOOR} (tested up to {TRANSFORMERS_TESTED}); "
+        f"installed: 5.10.0: pip install 'transformers>={TRANSFORMERS_FLOOR}'"
+    ]
