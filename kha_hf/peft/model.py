@@ -192,6 +192,28 @@ def knock_placements(model: nn.Module, config: KnockConfig) -> dict[str, dict[st
     return placements
 
 
+# The head names PEFT adds to modules_to_save for a task type (peft_model.PeftModelForSequenceClassification, ...,
+# peft 0.21), whichever of them the model has: not the user's words, so one the model lacks is no mistake.
+PEFT_TASK_HEADS = ("classifier", "score", "qa_outputs")
+
+
+def check_modules_to_save(model: nn.Module, config: KnockConfig, placements: dict[str, Any]) -> None:
+    """ValueError (one line) for a `modules_to_save` entry of CONFIG that names no module of MODEL, or one that names
+    a module holding a projection the knocks act on (PLACEMENTS): PEFT would then save nothing for it, or train that
+    module in full and silently drop its layer's knock, or fail with an error about `target_modules`."""
+    names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    for entry in config.modules_to_save or ():
+        matched = [name for name in names if entry and name.endswith(entry)]  # peft's rule (utils.other._set_trainable)
+        if not matched and entry not in PEFT_TASK_HEADS:
+            raise ValueError(f"modules_to_save {[entry]} names no module of this model")
+        held = [p for m in matched for p in placements if p == m or p.startswith(f"{m}.")]
+        if held:
+            raise ValueError(
+                f"modules_to_save {[entry]} would train {matched[0]} in full, which holds the knocked projection "
+                f"{held[0]}: a module takes knocks or full training, not both"
+            )
+
+
 class KnockModel(BaseTuner):
     """Knock adapters on a stock transformers model (see `KnockConfig`); built by `peft.get_peft_model`."""
 
@@ -208,6 +230,7 @@ class KnockModel(BaseTuner):
     def _prepare_adapter_config(self, peft_config: KnockConfig, model_config: dict) -> KnockConfig:
         # The targets are derived, never taken from the config: an adapter file cannot put knocks elsewhere.
         placements = knock_placements(self.model, peft_config)
+        check_modules_to_save(self.model, peft_config, placements)
         peft_config.base_model_type = self.model.config.model_type
         self._knock_placements = {**getattr(self, "_knock_placements", {}), **placements}
         peft_config.target_modules = "|".join(re.escape(name) for name in sorted(placements))

@@ -81,3 +81,43 @@ def test_a_float8_knock_in_an_adapter_file_is_refused_in_one_line(tmp_path):
     save_file(tensors, path)
     with pytest.raises(ValueError, match="is not finite floating point \\(torch.float8_e4m3fn\\)"):
         PeftModel.from_pretrained(tiny_base_model("llama"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("modules_to_save", "error"),
+    [
+        ([""], r"^modules_to_save \[''\] names no module of this model$"),
+        (["nonexistent"], r"^modules_to_save \['nonexistent'\] names no module of this model$"),
+        (["lm_head."], r"names no module"),
+        (["*"], r"names no module"),
+        # PEFT would train these in full and drop their knocks without a word, or fail about target_modules
+        (
+            ["layers.0.self_attn"],
+            r"would train model\.layers\.0\.self_attn in full, which holds the knocked projection",
+        ),
+        (["0"], r"would train model\.layers\.0 in full"),
+        (["v_proj"], r"which holds the knocked projection model\.layers\.0\.self_attn\.v_proj: a module takes knocks"),
+        (["model"], r"would train model in full"),
+    ],
+)
+def test_modules_to_save_that_names_nothing_or_a_knocked_module_is_refused(modules_to_save, error):
+    with pytest.raises(ValueError, match=error):
+        get_peft_model(tiny_base_model("llama"), KnockConfig(knock="mlp_v", modules_to_save=modules_to_save))
+
+
+def test_modules_to_save_beside_the_knocks_still_trains_in_full():
+    stock = get_peft_model(tiny_base_model("llama"), KnockConfig(knock="mlp_v"))
+    model = get_peft_model(tiny_base_model("llama"), KnockConfig(knock="mlp_v", modules_to_save=["q_proj", "lm_head"]))
+    assert knocked_layers(model) == knocked_layers(stock)  # every layer keeps its knock
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(".q_proj.modules_to_save.default." in n for n in trainable)
+    assert any("lm_head.modules_to_save.default." in n for n in trainable)
+
+
+def test_the_task_heads_peft_adds_to_modules_to_save_are_no_mistake():
+    from peft import TaskType
+    from transformers import AutoModelForSequenceClassification
+
+    base = tiny_base_model("llama", auto=AutoModelForSequenceClassification, num_labels=2)
+    model = get_peft_model(base, KnockConfig(knock="mlp_v", task_type=TaskType.SEQ_CLS))  # adds classifier and score
+    assert any("score.modules_to_save.default." in n for n, p in model.named_parameters() if p.requires_grad)

@@ -158,20 +158,7 @@ class KHAPlugin(BasePlugin):
                     "using the saved adapter"
                 )
         else:
-            _check_modules_to_save(model, config)
-            model = get_peft_model(model, config)
+            model = get_peft_model(model, config)  # refuses a modules_to_save naming no module, or a knocked one
         if not inference:
             model.print_trainable_parameters()
         return model, config
-
-
-def _check_modules_to_save(model: Any, config: Any) -> None:
-    """One line for a `modules_to_save` entry that names no module of MODEL (PEFT would train and save without it)."""
-    names = [name for name, _ in model.named_modules()]
-    missing = [
-        wanted
-        for wanted in config.modules_to_save or ()
-        if not any(name == wanted or name.endswith(f".{wanted}") for name in names)
-    ]
-    if missing:
-        raise ValueError(f"knock.modules_to_save {missing} names no module of this model")
