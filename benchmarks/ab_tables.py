@@ -1,11 +1,16 @@
-"""The docs' rows from the summary.json of `kha ab --from MODEL --arms adapters` runs (docs/ab_adapters/*.json).
+"""The docs' A/B tables, printed from the summary.json that `kha ab` wrote (kept under docs/ab_runs/ and
+docs/ab_adapters/; tests/docs/test_ab_tables.py checks that docs/does-kha-help.md holds every row printed here).
 
-    python benchmarks/ab_adapters_table.py "SmolLM2-135M:Shakespeare:docs/ab_adapters/smollm2_shakespeare.json" ...
+    python benchmarks/ab_tables.py scratch docs/ab_runs/scratch_cpu_tiny.json
+    python benchmarks/ab_tables.py continued "SmolLM2-135M:Shakespeare:docs/ab_runs/continued_smollm2.json"
+    python benchmarks/ab_tables.py adapters "SmolLM2-135M:Shakespeare:docs/ab_adapters/smollm2_shakespeare.json" ...
 
-Prints the two tables of docs/does-kha-help.md's "The knock adapter against LoRA, IA3 and OFT" (README quotes
-some of its rows): one row per arm (learning
-rates tried and chosen, loss before and after, minutes per run) and one per paired comparison (95 % intervals over
-seeds and blocks, bold where they exclude 0). Each argument is MODEL:DOMAIN:SUMMARY.
+scratch: the from-scratch A/B (`kha ab`), one row per seed and the mean paired difference with its 95 % t-interval
+over seeds. continued and adapters: the runs of `kha ab --from MODEL` (four arms) and `kha ab --from MODEL --arms
+adapters`; one row per arm (learning rates tried and chosen, loss before and after, minutes per run) and one per
+paired comparison (95 % intervals over seeds and blocks, bold where they exclude 0). For continued also each arm's
+validation loss at every rate tried, and each comparison's per-seed differences with the t-interval over the seeds'
+means. Each MODEL:DOMAIN:SUMMARY names the run's model and training domain as the table shows them.
 """
 
 from __future__ import annotations
@@ -18,14 +23,10 @@ ARM_HEADER = (
     "| model | domain | arm | trainable | lr tried → chosen | held-out loss before → after | "
     "Wikipedia loss before → after | minutes/run |\n|---|---|---|---|---|---|---|---|"
 )
-PAIR_HEADER = (
-    "| model | domain | paired difference (3 seeds x 16 blocks) | Δ held-out loss [95 % CI] | "
-    "Δ Wikipedia loss [95 % CI] |\n|---|---|---|---|---|"
-)
 
 
-def signed(x: float) -> str:
-    return f"{x:+.4f}".replace("-", "−")
+def signed(x: float, digits: int = 4) -> str:
+    return f"{x:+.{digits}f}".replace("-", "−")
 
 
 def interval(stats: dict) -> str:
@@ -33,6 +34,25 @@ def interval(stats: dict) -> str:
     low, high = stats["ci95"]
     text = f"{signed(stats['delta_mean'])} [{signed(low)}, {signed(high)}]"
     return f"**{text}**" if stats["excludes_zero"] else text
+
+
+def scratch_rows(summary: dict) -> list[str]:
+    """The from-scratch table: held-out loss per seed for both arms and their paired difference."""
+    knock = summary["knock"]
+    rows = [
+        f"| seed | baseline held-out loss | KHA ({knock}) held-out loss | Δ (KHA − baseline) [95 % CI] |",
+        "|---|---|---|---|",
+    ]
+    for row in summary["per_seed"]:
+        rows.append(
+            f"| {row['seed']} | {row['baseline_heldout']:.4f} | {row['kha_heldout']:.4f} | {signed(row['delta'])} |"
+        )
+    arms = summary["arms"]
+    rows.append(
+        f"| mean | {arms['baseline']['heldout_loss_mean']:.4f} | {arms['kha']['heldout_loss_mean']:.4f} | "
+        f"{interval(summary)} |"
+    )
+    return rows
 
 
 def arm_rows(model: str, domain: str, summary: dict) -> list[str]:
@@ -48,6 +68,14 @@ def arm_rows(model: str, domain: str, summary: dict) -> list[str]:
     return rows
 
 
+def pair_header(summary: dict) -> str:
+    first = summary["comparisons"][0]["heldout"]
+    return (
+        f"| model | domain | paired difference ({first['n_seeds']} seeds x {first['n_blocks']} blocks) | "
+        "Δ held-out loss [95 % CI] | Δ Wikipedia loss [95 % CI] |\n|---|---|---|---|---|"
+    )
+
+
 def pair_rows(model: str, domain: str, summary: dict) -> list[str]:
     return [
         f"| {model} | {domain} | {c['arm']} − {c['control']} | {interval(c['heldout'])} | "
@@ -56,20 +84,61 @@ def pair_rows(model: str, domain: str, summary: dict) -> list[str]:
     ]
 
 
-def main(argv: list[str]) -> int:
-    if not argv:
-        sys.exit(__doc__)
+def tuning_rows(summary: dict) -> list[str]:
+    """Each arm's validation loss at every rate tried (the first seed), the chosen one in bold."""
+    rows = ["| arm | validation loss at each rate tried | chosen |", "|---|---|---|"]
+    for name, arm in summary["arms"].items():
+        tried = ", ".join(
+            f"{t['lr']:.3g}: "
+            + (f"**{t['validation_loss']:.3f}**" if t["lr"] == arm["lr"] else f"{t['validation_loss']:.3f}")
+            for t in summary["tuning"][name]
+        )
+        rows.append(f"| {name} | {tried} | {arm['lr']:.3g} |")
+    return rows
+
+
+def seed_rows(summary: dict) -> list[str]:
+    """Each comparison's per-seed mean differences and the t-interval over those means (a check on the bootstrap)."""
+    rows = ["| paired difference | split | Δ per seed | 95 % t-interval over the seeds' means |", "|---|---|---|---|"]
+    for c in summary["comparisons"]:
+        for split, label in (("heldout", "held-out"), ("other_domain", "Wikipedia")):
+            per_seed = ", ".join(signed(s["delta"], 3) for s in c[split]["per_seed"])
+            rows.append(
+                f"| {c['arm']} − {c['control']} | {label} | {per_seed} | {interval(c[split]['over_seeds_only'])} |"
+            )
+    return rows
+
+
+def _runs(args: list[str]) -> list[tuple[str, str, dict]]:
     runs = []
-    for arg in argv:
+    for arg in args:
         model, domain, path = arg.split(":", 2)
         runs.append((model, domain, json.loads(Path(path).read_text())))
+    return runs
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] not in ("scratch", "continued", "adapters"):
+        sys.exit(__doc__)
+    kind, args = argv[0], argv[1:]
+    if kind == "scratch":
+        for path in args:
+            print("\n".join(scratch_rows(json.loads(Path(path).read_text()))))
+        return 0
+    runs = _runs(args)
     print(ARM_HEADER)
     for run in runs:
         print("\n".join(arm_rows(*run)))
     print()
-    print(PAIR_HEADER)
+    print(pair_header(runs[0][2]))
     for run in runs:
         print("\n".join(pair_rows(*run)))
+    if kind == "continued":
+        for run in runs:
+            print()
+            print("\n".join(tuning_rows(run[2])))
+            print()
+            print("\n".join(seed_rows(run[2])))
     return 0
 
 

@@ -66,7 +66,8 @@ def add_parser(sub) -> None:
         "train with the same seed, data order, steps and the paper's optimiser. Writes loss_curves.csv, "
         "loss_curves.png and summary.json; prints per-seed held-out losses and the mean paired delta with a "
         "95 % t-interval over seeds. "
-        f"Presets: {', '.join(AB_PRESETS)} (cpu-tiny, 5 seeds: about 26 minutes on 2 CPU cores).\n\n"
+        f"Presets: {', '.join(AB_PRESETS)} (cpu-tiny, 3 seeds: 13 minutes measured on 2 CPU cores, 5 about 21)."
+        "\n\n"
         "With --from MODEL: continued training from a real checkpoint, four arms by default (base full / KHA full / "
         "KHA knocks / a LoRA control of the knocks' size); --arms adapters instead compares the knocks as a PEFT "
         "adapter on the stock model with PEFT's LoRA (their size), IA3 and OFT (shared blocks on o_proj). Each "
@@ -74,7 +75,7 @@ def add_parser(sub) -> None:
         "that the reported held-out split never touches; then each "
         "arm trains at its rate over the seeds; held-out loss on the corpus and on Wikipedia text (forgetting), "
         "paired intervals over seeds and blocks. SmolLM2-135M defaults (24 steps x 4 x 128 tokens, grids of 3, 5 "
-        "seeds): about 45 minutes on 2 CPU cores (52 measured with other work running).",
+        "seeds): 32 minutes measured on 2 CPU cores (52 with other work running).",
         epilog="examples:\n  kha ab                                   # cpu-tiny, mlp_v, embedded Shakespeare\n"
         "  kha ab gpu-small --knock linear_qkv --bf16\n  kha ab ./my_config.json --max-steps 2000 --data ./corpus/\n"
         "  kha ab --from ./smollm2.gguf --seeds 3          # continued training: should I convert first?\n"
@@ -204,7 +205,7 @@ def _run_continued(args) -> int:
     from ..training.ab_presets import AB_PRESETS
     from ..workflows.continued_ab import ContinuedAB, continued_ab
 
-    defaults = {"max_steps": 24, "seq_len": 128, "batch_size": 4}  # SmolLM2: about 45 minutes on 2 CPU cores
+    defaults = {"max_steps": 24, "seq_len": 128, "batch_size": 4}  # SmolLM2: 32 minutes measured on 2 CPU cores
     if args.base is not None:  # a preset sets the run's size (the model is MODEL's)
         if args.base not in AB_PRESETS:
             raise KHAError(f"with --from, the positional argument is a preset ({', '.join(AB_PRESETS)}), not a config")

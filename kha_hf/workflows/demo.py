@@ -127,6 +127,8 @@ def _demo(base: str, output: Path, final: Path, knock: str, train_steps: int, li
         "trained": str(final / "kha-trained"),
         "train_steps": train_steps,
         "training_tokens": tokens,
+        "lr": LR,
+        "limit": limit,  # documents per eval task
         "parameters": {"kha-knocks": n_knocks, "lora": n_lora, "lora_rank": rank, "lora_targets": targets},
         "heldout_loss": heldout,
         "rows": rows,

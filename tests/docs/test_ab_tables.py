@@ -1,7 +1,9 @@
-"""The adapter A/B tables are the recorded runs' numbers: every row that benchmarks/ab_adapters_table.py prints from
-docs/ab_adapters/*.json stands in docs/does-kha-help.md as printed, and every such row README.md quotes (its headline
-verdict) is one of them (a rerun that changes a summary must change both pages)."""
+"""The evidence pages hold the recorded runs' numbers and nothing else: each table of docs/does-kha-help.md's A/B
+sections is exactly what benchmarks/ab_tables.py prints from the summary.json files kept under docs/ab_runs/ and
+docs/ab_adapters/, the demo's section is what `kha demo` renders from its kept summary, and every row README.md
+quotes (its headline verdict) is one of them. A rerun that changes a summary must change the pages with it."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,36 +11,89 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNS = {  # summary file -> the model and domain README names
-    "smollm2_shakespeare.json": ("SmolLM2-135M", "Shakespeare"),
-    "smollm2_code.json": ("SmolLM2-135M", "Python code"),
-    "gemma3_shakespeare.json": ("Gemma 3 270M", "Shakespeare"),
-    "gemma3_code.json": ("Gemma 3 270M", "Python code"),
+PAGE = ROOT / "docs" / "does-kha-help.md"
+# kind of run -> (the page's section, the summaries with the model and domain its tables name)
+RUNS = {
+    "scratch": ("## From scratch", [("ab_runs/scratch_cpu_tiny.json", None)]),
+    "continued": (
+        "## Continued training from a real checkpoint",
+        [("ab_runs/continued_smollm2.json", ("SmolLM2-135M", "Shakespeare"))],
+    ),
+    "adapters": (
+        "## The knock adapter against LoRA, IA3 and OFT",
+        [
+            ("ab_adapters/smollm2_shakespeare.json", ("SmolLM2-135M", "Shakespeare")),
+            ("ab_adapters/smollm2_code.json", ("SmolLM2-135M", "Python code")),
+            ("ab_adapters/gemma3_shakespeare.json", ("Gemma 3 270M", "Shakespeare")),
+            ("ab_adapters/gemma3_code.json", ("Gemma 3 270M", "Python code")),
+        ],
+    ),
 }
+DEMO = ("## The demo", "ab_runs/demo_smollm2.json")
 
 
-def test_every_recorded_run_is_checked():
-    assert {p.name for p in (ROOT / "docs" / "ab_adapters").glob("*.json")} <= set(RUNS)
+def section(heading: str) -> list[str]:
+    """The lines of PAGE's section HEADING, up to the next `## ` heading."""
+    lines = PAGE.read_text().splitlines()
+    start = lines.index(heading)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start + 1 : end]
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
-def test_readme_rows_are_the_summary(name):
-    path = ROOT / "docs" / "ab_adapters" / name
-    if not path.exists():
-        pytest.skip(f"{name}: not run yet")
-    model, domain = RUNS[name]
+def printed(kind: str) -> list[str]:
+    """What benchmarks/ab_tables.py prints for every recorded run of KIND (one call, as the page's tables are)."""
+    args = [
+        str(ROOT / "docs" / path) if names is None else f"{names[0]}:{names[1]}:{ROOT / 'docs' / path}"
+        for path, names in RUNS[kind][1]
+    ]
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "ab_adapters_table.py"), f"{model}:{domain}:{path}"],
+        [sys.executable, str(ROOT / "benchmarks" / "ab_tables.py"), kind, *args],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    rows = [line for line in out.splitlines() if line.startswith(f"| {model} | {domain} |")]
-    assert len(rows) >= 7, out  # four arms, three comparisons
-    page = (ROOT / "docs" / "does-kha-help.md").read_text()
-    assert [row for row in rows if row not in page] == []
+    return [line for line in out.splitlines() if line]
+
+
+def test_every_recorded_run_is_checked():
+    kept = {
+        f"{p.parent.name}/{p.name}"
+        for folder in ("ab_runs", "ab_adapters")
+        for p in (ROOT / "docs" / folder).glob("*.json")
+    }
+    named = {path for _, runs in RUNS.values() for path, _ in runs} | {DEMO[1]}
+    assert kept == named  # a summary nobody checks, or a checked one that is missing
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_each_table_is_the_summaries(kind):
+    rows = printed(kind)
+    assert sum(line.startswith("|") and not line.startswith("|---") for line in rows) >= 4, rows
+    tables = [line for line in section(RUNS[kind][0]) if line.startswith("|")]
+    assert [line for line in rows if line not in tables] == []  # a printed row the page lacks or changed
+    assert [line for line in tables if line not in rows] == []  # a row on the page no summary holds
+
+
+def test_readme_quotes_only_recorded_rows():
+    rows = printed("adapters")
     quoted = [
-        line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| {model} | {domain} |")
+        line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("| SmolLM2") or line.startswith("| Gemma")
     ]
-    assert quoted, f"README's headline verdict quotes no {model} {domain} row"
+    assert quoted, "README's headline verdict quotes no recorded row"
     assert [row for row in quoted if row not in rows] == []
+
+
+def test_the_demo_section_is_the_demo_summary():
+    from kha_hf.workflows.demo import demo_table
+
+    s = json.loads((ROOT / "docs" / DEMO[1]).read_text())
+    p = s["parameters"]
+    table = demo_table(
+        s["rows"], s["heldout_loss"], p, p["lora_rank"], p["lora_targets"], s["train_steps"], s["limit"], s["lr"]
+    )
+    rendered = [line for line in table.splitlines() if line]
+    page = section(DEMO[0])
+    assert [line for line in rendered if line not in page] == []
+    assert [line for line in page if line.startswith("|") and line not in rendered] == []
