@@ -3,7 +3,11 @@ transformers (which imports transformers' modeling stack), so `kha --help` and a
 
 import sys
 
-DEFER_REGISTRATION = True  # read by kha_hf/__init__.py
+DEFER_REGISTRATION = True  # read by kha_hf/__init__.py (as sys.modules["kha_hf_entry"].DEFER_REGISTRATION)
+
+# `python -m kha_hf_entry` runs this file as __main__: file it under its own name too, or kha_hf/__init__.py would
+# not see the flag and would import the modeling stack before parsing (seconds on every `--help`).
+sys.modules.setdefault("kha_hf_entry", sys.modules[__name__])
 
 
 def main() -> int:

@@ -97,6 +97,26 @@ def test_help_and_argument_errors_import_no_heavy_libraries():
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
 
 
+def test_python_m_kha_hf_entry_defers_the_modeling_stack_too():
+    # `python -m kha_hf_entry` (the tests' and benchmarks' way to run `kha`) runs the file as __main__: it imported
+    # transformers' modeling stack before parsing, 2 s more per `--help` than the console script.
+    script = (
+        "import runpy, sys\n"
+        "sys.argv = ['kha_hf_entry', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('kha_hf_entry', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = ('kha_hf.modeling.modeling_kha', 'transformers.modeling_utils')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert "usage: kha" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
 def test_import_kha_hf_still_registers_the_auto_classes():
     script = (
         "import kha_hf\n"
