@@ -1,3 +1,3 @@
 """The package version (one place: setup.cfg, kha_hf.__version__ and file metadata read it)."""
 
-__version__ = "0.6.0"
+__version__ = "0.6.1"
