@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import reprlib
 import zlib
+from collections.abc import Iterable
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -41,10 +43,12 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.[^.]+\.([^.]+)$")  # ...layers.<i>.
 
 def saved_module_tensor(key: str, config: KnockConfig, adapter_name: str) -> bool:
     """True when KEY (`base_model.model.lm_head.modules_to_save.<ADAPTER_NAME>.weight`, as peft has renamed it by
-    then) is a tensor of a module that CONFIG's modules_to_save names (by its full name or its last names, as peft
-    matches them)."""
-    module = key.replace(f".modules_to_save.{adapter_name}.", ".").rsplit(".", 1)[0]
-    return any(module == name or module.endswith(f".{name}") for name in config.modules_to_save or ())
+    then) is a tensor of a module that CONFIG's modules_to_save names, matched as peft matches them (the module's
+    name ends with the entry). The wrapped module is what stands before `.modules_to_save.`: its tensors may sit in
+    sub-modules (`mlp` saves `mlp.modules_to_save.<ADAPTER_NAME>.down_proj.weight`)."""
+    marker = f".modules_to_save.{adapter_name}."
+    module = key.split(marker, 1)[0] if marker in key else key.rsplit(".", 1)[0]
+    return any(name and module.endswith(name) for name in config.modules_to_save or ())
 
 
 def check_knock_state_dict(
@@ -193,25 +197,42 @@ def knock_placements(model: nn.Module, config: KnockConfig) -> dict[str, dict[st
 
 
 # The head names PEFT adds to modules_to_save for a task type (peft_model.PeftModelForSequenceClassification, ...,
-# peft 0.21), whichever of them the model has: not the user's words, so one the model lacks is no mistake.
-PEFT_TASK_HEADS = ("classifier", "score", "qa_outputs")
+# peft 0.21), whichever of them the model has: for those task types, one the model lacks is not the user's mistake.
+PEFT_TASK_HEADS = {
+    "SEQ_CLS": ("classifier", "score"),
+    "TOKEN_CLS": ("classifier", "score"),
+    "QUESTION_ANS": ("qa_outputs",),
+}
+# Parts of PEFT's own wrappers (a knocked projection's base layer, a modules_to_save wrapper's copies): not modules
+# a user trains in full.
+_WRAPPER_PARTS = (".base_layer.", ".original_module.", ".modules_to_save.")
 
 
-def check_modules_to_save(model: nn.Module, config: KnockConfig, placements: dict[str, Any]) -> None:
+def check_modules_to_save(model: nn.Module, config: KnockConfig, knocked: Iterable[str]) -> None:
     """ValueError (one line) for a `modules_to_save` entry of CONFIG that names no module of MODEL, or one that names
-    a module holding a projection the knocks act on (PLACEMENTS): PEFT would then save nothing for it, or train that
-    module in full and silently drop its layer's knock, or fail with an error about `target_modules`."""
+    a module that is, holds or lies inside a projection that carries a knock (KNOCKED: of this adapter or any other
+    of MODEL): PEFT would then save nothing for it, or train that module in full and silently drop its layer's knock
+    (or copy another adapter's knock into the wrapper), or fail with an error about `target_modules`."""
+    task = getattr(config.task_type, "value", config.task_type)
+    exempt = PEFT_TASK_HEADS.get(task, ()) if isinstance(task, str) else ()
     names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    knocked = list(knocked)
     for entry in config.modules_to_save or ():
-        matched = [name for name in names if entry and name.endswith(entry)]  # peft's rule (utils.other._set_trainable)
-        if not matched and entry not in PEFT_TASK_HEADS:
-            raise ValueError(f"modules_to_save {[entry]} names no module of this model")
-        held = [p for m in matched for p in placements if p == m or p.startswith(f"{m}.")]
-        if held:
-            raise ValueError(
-                f"modules_to_save {[entry]} would train {matched[0]} in full, which holds the knocked projection "
-                f"{held[0]}: a module takes knocks or full training, not both"
-            )
+        shown = reprlib.repr(entry)
+        matched = [  # peft's rule (utils.other._set_trainable): the module's name ends with the entry
+            name
+            for name in names
+            if entry and name.endswith(entry) and not any(p in f".{name}." for p in _WRAPPER_PARTS)
+        ]
+        if not matched and entry not in exempt:
+            raise ValueError(f"modules_to_save [{shown}] names no module of this model")
+        for module in matched:
+            clash = [p for p in knocked if p == module or p.startswith(f"{module}.") or module.startswith(f"{p}.")]
+            if clash:
+                raise ValueError(
+                    f"modules_to_save [{shown}] would train {module} in full, and {clash[0]} carries a knock: a "
+                    "module takes knocks or full training, not both"
+                )
 
 
 class KnockModel(BaseTuner):
@@ -230,7 +251,7 @@ class KnockModel(BaseTuner):
     def _prepare_adapter_config(self, peft_config: KnockConfig, model_config: dict) -> KnockConfig:
         # The targets are derived, never taken from the config: an adapter file cannot put knocks elsewhere.
         placements = knock_placements(self.model, peft_config)
-        check_modules_to_save(self.model, peft_config, placements)
+        check_modules_to_save(self.model, peft_config, [*getattr(self, "_knock_placements", {}), *placements])
         peft_config.base_model_type = self.model.config.model_type
         self._knock_placements = {**getattr(self, "_knock_placements", {}), **placements}
         peft_config.target_modules = "|".join(re.escape(name) for name in sorted(placements))

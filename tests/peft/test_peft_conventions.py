@@ -93,11 +93,15 @@ def test_a_float8_knock_in_an_adapter_file_is_refused_in_one_line(tmp_path):
         # PEFT would train these in full and drop their knocks without a word, or fail about target_modules
         (
             ["layers.0.self_attn"],
-            r"would train model\.layers\.0\.self_attn in full, which holds the knocked projection",
+            r"would train model\.layers\.0\.self_attn in full, and model\.layers\.0\.self_attn\.v_proj carries",
         ),
         (["0"], r"would train model\.layers\.0 in full"),
-        (["v_proj"], r"which holds the knocked projection model\.layers\.0\.self_attn\.v_proj: a module takes knocks"),
+        (
+            ["v_proj"],
+            r"and model\.layers\.0\.self_attn\.v_proj carries a knock: a module takes knocks or full training",
+        ),
         (["model"], r"would train model in full"),
+        (["x" * 100_000], r"^modules_to_save \['x+\.\.\.x+'\] names no module of this model$"),  # not 100 k characters
     ],
 )
 def test_modules_to_save_that_names_nothing_or_a_knocked_module_is_refused(modules_to_save, error):
@@ -112,6 +116,56 @@ def test_modules_to_save_beside_the_knocks_still_trains_in_full():
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert any(".q_proj.modules_to_save.default." in n for n in trainable)
     assert any("lm_head.modules_to_save.default." in n for n in trainable)
+
+
+def test_a_task_head_name_on_a_causal_lm_is_refused():
+    # only PEFT's own additions for a task type are exempt: a user's `score` on a causal LM would wrap nothing
+    with pytest.raises(ValueError, match=r"modules_to_save \['score'\] names no module"):
+        get_peft_model(tiny_base_model("llama"), KnockConfig(knock="mlp_v", modules_to_save=["score"]))
+
+
+def test_the_refusal_names_the_module_that_holds_the_knock():
+    config = KnockConfig(knock="mlp_v", knock_layers=[1], modules_to_save=["self_attn"])
+    with pytest.raises(ValueError, match=r"would train model\.layers\.1\.self_attn in full, and model\.layers\.1\."):
+        get_peft_model(tiny_base_model("llama"), config)
+
+
+@pytest.mark.parametrize(
+    ("config", "modules_to_save"),
+    [({"knock_layers": [1]}, ["layers.0.self_attn"]), ({}, ["mlp"]), ({}, ["norm"]), ({}, ["lm_head"])],
+)
+def test_an_adapter_with_modules_to_save_reloads(tmp_path, config, modules_to_save):
+    # a wrapped module's tensors may sit in its sub-modules (mlp.modules_to_save.default.down_proj.weight), and peft
+    # matches an entry as a suffix of the module's name (norm: every *norm): both reload as they were saved
+    model = get_peft_model(
+        tiny_base_model("llama"), KnockConfig(knock="mlp_v", modules_to_save=modules_to_save, **config)
+    )
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(0.01)
+        expected = model.eval()(IDS).logits
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(tiny_base_model("llama"), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(IDS).logits, expected)
+
+
+@pytest.mark.parametrize(
+    ("second", "error"),
+    [
+        (
+            {"knock_layers": [1], "modules_to_save": ["layers.0.self_attn"]},
+            r"and model\.layers\.0\.self_attn\.v_proj carries",
+        ),
+        ({"modules_to_save": ["base_layer"]}, r"\['base_layer'\] names no module"),
+        ({"modules_to_save": ["original_module"]}, r"\['original_module'\] names no module"),
+    ],
+)
+def test_a_second_adapter_cannot_train_what_the_first_knocks(second, error):
+    model = get_peft_model(tiny_base_model("llama"), KnockConfig(knock="mlp_v", modules_to_save=["lm_head"]))
+    with pytest.raises(ValueError, match=error):
+        model.add_adapter("b", KnockConfig(knock="mlp_v", **second))
 
 
 def test_the_task_heads_peft_adds_to_modules_to_save_are_no_mistake():
