@@ -14,9 +14,11 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,22 +30,45 @@ def machine() -> str:
     return f"{os.cpu_count()} {platform.machine()} cores, {memory:.0f} GiB, {platform.system()} {platform.release()}"
 
 
+def run_teed(command: list[str]) -> tuple[int, bytes]:
+    """Run COMMAND, passing its standard output through as it comes (progress stays visible) and keeping its bytes
+    as printed (carriage returns and bytes that are not UTF-8 included)."""
+    kept = bytearray()
+    with subprocess.Popen(command, stdout=subprocess.PIPE) as process:
+        for chunk in iter(lambda: process.stdout.read1(65536), b""):
+            kept += chunk
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+    return process.returncode, bytes(kept)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] != "--" or not argv[0].replace("_", "").isalnum():
+    if len(argv) < 3 or argv[1] != "--" or not re.fullmatch(r"[A-Za-z0-9_]+", argv[0]):
         sys.exit(__doc__)
     name, command = argv[0], argv[2:]
     start = time.perf_counter()
-    run = subprocess.run(command, stdout=subprocess.PIPE, text=True)
-    sys.stdout.write(run.stdout)
-    if run.returncode != 0:
-        print(f"record.py: {shlex.join(command)} exited {run.returncode}: nothing recorded", file=sys.stderr)
-        return run.returncode
+    try:
+        returncode, printed = run_teed(command)
+    except OSError as err:  # not found, not executable
+        print(f"record.py: cannot run {shlex.join(command)}: {err.strerror or err}: nothing recorded", file=sys.stderr)
+        return 127
+    if returncode != 0:
+        print(f"record.py: {shlex.join(command)} exited {returncode}: nothing recorded", file=sys.stderr)
+        return returncode or 1
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = f"$ {shlex.join(command)}\n# {now}; {machine()}; wall {time.perf_counter() - start:.0f} s\n\n"
     RUNS.mkdir(parents=True, exist_ok=True)
-    partial = RUNS / f".{name}.txt.partial"
-    partial.write_text(head + run.stdout)
-    partial.replace(RUNS / f"{name}.txt")
+    # a new file of our own (O_EXCL: never a link someone left there), renamed over the record when whole, so two
+    # runs of one name cannot mix, and a failed one leaves the previous record
+    fd, partial = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=RUNS)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(head.encode() + printed)
+        os.chmod(partial, 0o644)
+        os.replace(partial, RUNS / f"{name}.txt")
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
     print(f"recorded {RUNS / f'{name}.txt'}", file=sys.stderr)
     return 0
 
