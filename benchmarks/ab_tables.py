@@ -68,10 +68,14 @@ def arm_rows(model: str, domain: str, summary: dict) -> list[str]:
     return rows
 
 
-def pair_header(summary: dict) -> str:
-    first = summary["comparisons"][0]["heldout"]
+def pair_header(summaries: list[dict]) -> str:
+    """The comparisons' header, naming their seeds and blocks (one table: every run must share them)."""
+    shapes = {(c["heldout"]["n_seeds"], c["heldout"]["n_blocks"]) for s in summaries for c in s["comparisons"]}
+    if len(shapes) != 1:
+        sys.exit(f"ab_tables.py: these runs differ in seeds x blocks {sorted(shapes)}: print them one at a time")
+    ((seeds, n_blocks),) = shapes
     return (
-        f"| model | domain | paired difference ({first['n_seeds']} seeds x {first['n_blocks']} blocks) | "
+        f"| model | domain | paired difference ({seeds} seeds x {n_blocks} blocks) | "
         "Δ held-out loss [95 % CI] | Δ Wikipedia loss [95 % CI] |\n|---|---|---|---|---|"
     )
 
@@ -130,7 +134,7 @@ def main(argv: list[str]) -> int:
     for run in runs:
         print("\n".join(arm_rows(*run)))
     print()
-    print(pair_header(runs[0][2]))
+    print(pair_header([summary for _, _, summary in runs]))
     for run in runs:
         print("\n".join(pair_rows(*run)))
     if kind == "continued":

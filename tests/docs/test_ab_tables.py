@@ -32,12 +32,24 @@ RUNS = {
 DEMO = ("## The demo", "ab_runs/demo_smollm2.json")
 
 
-def section(heading: str) -> list[str]:
+def section(heading: str, page: Path = PAGE) -> list[str]:
     """The lines of PAGE's section HEADING, up to the next `## ` heading."""
-    lines = PAGE.read_text().splitlines()
+    lines = page.read_text().splitlines()
     start = lines.index(heading)
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     return lines[start + 1 : end]
+
+
+def tables(lines: list[str]) -> list[tuple[str, ...]]:
+    """The tables in LINES, each a run of lines that start with `|` (indented ones too: markdown still draws them)."""
+    found, current = [], []
+    for line in [*lines, ""]:
+        if line.lstrip().startswith("|"):
+            current.append(line)
+        elif current:
+            found.append(tuple(current))
+            current = []
+    return found
 
 
 def printed(kind: str) -> list[str]:
@@ -46,13 +58,12 @@ def printed(kind: str) -> list[str]:
         str(ROOT / "docs" / path) if names is None else f"{names[0]}:{names[1]}:{ROOT / 'docs' / path}"
         for path, names in RUNS[kind][1]
     ]
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "ab_tables.py"), kind, *args],
         capture_output=True,
         text=True,
         check=True,
-    ).stdout
-    return [line for line in out.splitlines() if line]
+    ).stdout.splitlines()
 
 
 def test_every_recorded_run_is_checked():
@@ -67,22 +78,17 @@ def test_every_recorded_run_is_checked():
 
 @pytest.mark.parametrize("kind", sorted(RUNS))
 def test_each_table_is_the_summaries(kind):
-    rows = printed(kind)
-    assert sum(line.startswith("|") and not line.startswith("|---") for line in rows) >= 4, rows
-    tables = [line for line in section(RUNS[kind][0]) if line.startswith("|")]
-    assert [line for line in rows if line not in tables] == []  # a printed row the page lacks or changed
-    assert [line for line in tables if line not in rows] == []  # a row on the page no summary holds
+    expected = tables(printed(kind))
+    assert expected and all(len(table) >= 3 for table in expected), expected
+    # the section's tables are exactly the printed ones, each whole and in order (and none of the page's own)
+    assert sorted(tables(section(RUNS[kind][0]))) == sorted(expected)
 
 
 def test_readme_quotes_only_recorded_rows():
     rows = printed("adapters")
-    quoted = [
-        line
-        for line in (ROOT / "README.md").read_text().splitlines()
-        if line.startswith("| SmolLM2") or line.startswith("| Gemma")
-    ]
+    quoted = tables(section("## Does KHA help?", ROOT / "README.md"))
     assert quoted, "README's headline verdict quotes no recorded row"
-    assert [row for row in quoted if row not in rows] == []
+    assert [row for table in quoted for row in table if row not in rows] == []
 
 
 def test_the_demo_section_is_the_demo_summary():
@@ -93,7 +99,7 @@ def test_the_demo_section_is_the_demo_summary():
     table = demo_table(
         s["rows"], s["heldout_loss"], p, p["lora_rank"], p["lora_targets"], s["train_steps"], s["limit"], s["lr"]
     )
-    rendered = [line for line in table.splitlines() if line]
+    rendered = table.splitlines()
     page = section(DEMO[0])
-    assert [line for line in rendered if line not in page] == []
-    assert [line for line in page if line.startswith("|") and line not in rendered] == []
+    assert [line for line in rendered if line and not line.startswith("|") and line not in page] == []  # the prose
+    assert sorted(tables(page)) == sorted(tables(rendered))
