@@ -47,8 +47,12 @@ def saved_module_tensor(key: str, config: KnockConfig, adapter_name: str) -> boo
     name ends with the entry). The wrapped module is what stands before `.modules_to_save.`: its tensors may sit in
     sub-modules (`mlp` saves `mlp.modules_to_save.<ADAPTER_NAME>.down_proj.weight`)."""
     marker = f".modules_to_save.{adapter_name}."
-    module = key.split(marker, 1)[0] if marker in key else key.rsplit(".", 1)[0]
-    return any(name and module.endswith(name) for name in config.modules_to_save or ())
+    if marker in key:
+        modules = [key.split(marker, 1)[0]]
+    else:  # peft 0.20's names (kha_hf.peft.compat) drop the marker: the wrapped module is one of the key's parents
+        parts = key.split(".")[:-1]
+        modules = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+    return any(name and module.endswith(name) for module in modules for name in config.modules_to_save or ())
 
 
 def check_knock_state_dict(
