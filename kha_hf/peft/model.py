@@ -46,12 +46,9 @@ def saved_module_tensor(key: str, config: KnockConfig, adapter_name: str) -> boo
     then) is a tensor of a module that CONFIG's modules_to_save names, matched as peft matches them (the module's
     name ends with the entry). The wrapped module is what stands before `.modules_to_save.`: its tensors may sit in
     sub-modules (`mlp` saves `mlp.modules_to_save.<ADAPTER_NAME>.down_proj.weight`)."""
-    marker = f".modules_to_save.{adapter_name}."
-    if marker in key:
-        modules = [key.split(marker, 1)[0]]
-    else:  # peft 0.20's names (kha_hf.peft.compat) drop the marker: the wrapped module is one of the key's parents
-        parts = key.split(".")[:-1]
-        modules = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+    # peft 0.20's names (kha_hf.peft.compat) have no marker: either way the wrapped module is one of the key's parents
+    parts = key.replace(f".modules_to_save.{adapter_name}.", ".").split(".")[:-1]
+    modules = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
     return any(name and module.endswith(name) for module in modules for name in config.modules_to_save or ())
 
 
@@ -255,9 +252,10 @@ class KnockModel(BaseTuner):
     def _prepare_adapter_config(self, peft_config: KnockConfig, model_config: dict) -> KnockConfig:
         # The targets are derived, never taken from the config: an adapter file cannot put knocks elsewhere.
         placements = knock_placements(self.model, peft_config)
-        check_modules_to_save(self.model, peft_config, [*getattr(self, "_knock_placements", {}), *placements])
+        every_adapter = {**getattr(self, "_knock_placements", {}), **placements}
+        check_modules_to_save(self.model, peft_config, every_adapter)
         peft_config.base_model_type = self.model.config.model_type
-        self._knock_placements = {**getattr(self, "_knock_placements", {}), **placements}
+        self._knock_placements = every_adapter
         peft_config.target_modules = "|".join(re.escape(name) for name in sorted(placements))
         return peft_config
 
