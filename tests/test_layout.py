@@ -1,7 +1,8 @@
 """The package layout that docs/contributing/layout.md describes: which part may import which, and no circles.
 
 modeling/ imports no other part (it travels with checkpoints); common/ imports only modeling/; conversion/,
-training/ and serving/ import modeling/, common/ and themselves, never each other; peft/ also reads KHA checkpoints
+training/ and serving/ import modeling/, common/ and themselves (training/ also data/, the prepared corpora, which
+imports only common/), never each other; peft/ also reads KHA checkpoints
 (conversion/), eval/ also evaluates knock adapters (peft/); vllm_plugin/ imports only modeling/ (vLLM's processes run
 it: nothing of kha_hf's tools there); workflows/ and cli/ sit on top, and nothing but the entry point imports cli/.
 Within and across parts, no module imports itself back through others (`test_no_import_cycles`).
@@ -20,7 +21,8 @@ ALLOWED = {
     "common": {"common", "modeling"},
     "conversion": {"conversion", "common", "modeling"},
     "eval": {"eval", "common", "modeling", "peft"},  # a knock adapter as the candidate (kha eval --adapter)
-    "training": {"training", "common", "modeling"},
+    "data": {"data", "common"},  # prepared corpora: kha tokenize, the token file and its reader, the global order
+    "training": {"training", "common", "modeling", "data"},
     "serving": {"serving", "common", "modeling"},
     "peft": {"peft", "common", "modeling", "conversion"},  # adapters <-> KHA checkpoints (adapter_files.py)
     # run in vLLM's processes (the vllm.general_plugins entry point): the model code, nothing of kha_hf's tools
@@ -28,8 +30,20 @@ ALLOWED = {
     # plugins for other trainers (Axolotl): the model, the knock adapter and the training rules, as a user's code would
     "integrations": {"integrations", "common", "modeling", "conversion", "peft", "training"},
     # the multi-step runs (train several arms, evaluate them): every tool part, never the CLI or the server
-    "workflows": {"workflows", "common", "modeling", "conversion", "eval", "peft", "training"},
-    "cli": {"kha_hf", "cli", "common", "modeling", "conversion", "eval", "peft", "serving", "training", "workflows"},
+    "workflows": {"workflows", "common", "modeling", "conversion", "data", "eval", "peft", "training"},
+    "cli": {
+        "kha_hf",
+        "cli",
+        "common",
+        "modeling",
+        "conversion",
+        "data",
+        "eval",
+        "peft",
+        "serving",
+        "training",
+        "workflows",
+    },
 }
 
 

@@ -12,7 +12,7 @@ import sys
 
 from ..common.errors import KHAError
 from ..common.supported_versions import versions_line
-from . import ab, adapter, assets, convert, demo, fold, inspect, push, serve, train, verify
+from . import ab, adapter, assets, convert, demo, fold, inspect, push, serve, tokenize, train, verify
 from . import eval as eval_  # `eval_`: the module of `kha eval`, not the builtin
 from ._common import HelpFormatter, OneLineErrorParser
 
@@ -20,6 +20,7 @@ EPILOG = """typical workflow:
   kha convert Qwen/Qwen3-0.6B ./qwen3-kha --knock mlp_v --verify   # upgrade, outputs unchanged
   kha verify Qwen/Qwen3-0.6B ./qwen3-kha                            # check parity again
   kha train ./qwen3-kha --output ./qwen3-kha-trained --mode knocks  # teach the knocks
+  kha tokenize ./corpus/ --tokenizer ./qwen3-kha --output ./prepared # a corpus larger than memory, once
   kha eval --baseline Qwen/Qwen3-0.6B --candidate ./qwen3-kha-trained --suite quick
   kha inspect ./qwen3-kha-trained --plot knocks.png                 # what the knocks learned
   kha fold ./llama-kha-linear ./llama-folded                        # KHA-Linear -> plain checkpoint
@@ -30,7 +31,7 @@ EPILOG = """typical workflow:
 """
 
 # in the order of `kha --help`
-COMMANDS = [convert, verify, train, ab, eval_, inspect, fold, adapter, push, serve, demo, assets]
+COMMANDS = [convert, verify, tokenize, train, ab, eval_, inspect, fold, adapter, push, serve, demo, assets]
 SUBCOMMANDS = [command.add_parser for command in COMMANDS]
 
 

@@ -6,6 +6,8 @@ from ._common import MAX_BATCH, MAX_SEQ_LEN, MAX_STEPS, HelpFormatter, bounded_i
 
 
 def add_parser(sub) -> None:
+    from ..modeling.configuration_kha import KNOCK_PRESETS
+    from ..training.ab_presets import AB_PRESETS
     from ..training.modes import MODES
 
     p = sub.add_parser(
@@ -18,17 +20,35 @@ def add_parser(sub) -> None:
         epilog="examples:\n"
         "  kha train ./smollm2-kha --output ./smollm2-kha-trained --mode knocks --max-steps 200\n"
         "  kha train ./qwen3-kha --output ./qwen3-kha-lora --mode lora --data ./my_corpus/ --bf16\n"
+        "  kha train cpu-tiny --knock mlp_v --mode full --data ./prepared --output ./scratch   # from a preset\n"
         "  accelerate launch --config_file fsdp.yaml -m kha_hf train ./qwen3-kha --output ./out --mode full",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("model", metavar="MODEL", help="KHA checkpoint folder (or a base checkpoint: knocks at identity)")
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="KHA checkpoint folder (or a base checkpoint: knocks at identity); or, to train new weights (--mode "
+        f"full), a config.json, a folder holding only a config, or a preset ({', '.join(AB_PRESETS)})",
+    )
+    p.add_argument(
+        "--knock",
+        choices=sorted(KNOCK_PRESETS),
+        default=None,
+        help="the knocks of a model built from a base family's config or a preset (default: mlp_v)",
+    )
     p.add_argument(
         "--output",
         required=True,
         help="new folder for the trained model and its checkpoints (it appears when the model is saved)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output (a model or training run)")
-    p.add_argument("--data", nargs="*", default=None, help=".txt/.md/.jsonl files or folders, or a Hub dataset")
+    p.add_argument(
+        "--data",
+        nargs="*",
+        default=None,
+        help="a corpus prepared by kha tokenize (read lazily, any size), or .txt/.md/.jsonl files or folders or a Hub "
+        "dataset (tokenized in memory)",
+    )
     p.add_argument("--mode", choices=MODES, default="knocks", help="what trains: knocks only, knocks + LoRA, or all")
     p.add_argument("--max-steps", type=bounded_int(MAX_STEPS), default=200, help="optimizer steps")
     p.add_argument("--seq-len", type=bounded_int(MAX_SEQ_LEN), default=256, help="tokens per training block")
@@ -84,5 +104,6 @@ def run(args) -> int:
         max_eval_blocks=args.max_eval_blocks,
         tokenizer=args.tokenizer,
         overwrite=args.overwrite,
+        knock=args.knock,
     )
     return 0

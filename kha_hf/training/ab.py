@@ -15,8 +15,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from ..common.errors import KHAError
+from ..common.loading import load_tokenizer
 from ..common.output import atomic_output_dir
 from ..common.paths import check_run_destination
+from ..data.corpus import TOKENIZER_DIR
 from ..modeling.modeling_kha import KHAForCausalLM
 from .ab_presets import AB_PRESETS, ABPreset
 from .ab_report import (
@@ -28,6 +30,7 @@ from .ab_report import (
     write_curves_csv,
     write_json,
 )
+from .corpus_data import check_raw_data_fits, corpus_splits, prepared_corpus
 from .data import read_documents, train_heldout_split
 from .tokenizer import train_bpe_tokenizer
 from .train import check_training_numbers, paper_training_arguments
@@ -74,10 +77,17 @@ def ab(
     config = _base_config(base, preset)
     steps, seq, batch = max_steps or preset.max_steps, seq_len or preset.seq_len, batch_size or preset.batch_size
     final = check_run_destination(output, [base], data, overwrite)
-    documents = read_documents(data)
-    tokenizer = train_bpe_tokenizer(documents, config.vocab_size)
-    config.vocab_size = len(tokenizer)
-    train_set, heldout_set = train_heldout_split(documents, tokenizer, seq)
+    corpus = prepared_corpus(data)
+    if corpus is not None:  # read lazily; both arms of every seed see the same global order of its blocks
+        tokenizer = load_tokenizer(corpus.folder / TOKENIZER_DIR, None, offer_trust=False)
+        config.vocab_size = len(tokenizer)
+        train_set, heldout_set = corpus_splits(corpus, tokenizer, seq)
+    else:
+        check_raw_data_fits(data)
+        documents = read_documents(data)
+        tokenizer = train_bpe_tokenizer(documents, config.vocab_size)
+        config.vocab_size = len(tokenizer)
+        train_set, heldout_set = train_heldout_split(documents, tokenizer, seq)
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq} tokens")
 
     with atomic_output_dir(final, overwrite=overwrite, marker="ab") as output:

@@ -17,6 +17,7 @@ from ..common.assets import shakespeare_files
 from ..common.errors import KHAError
 from ..common.loading import HUB_ID, describe_error
 from ..common.text_files import read_text_file
+from ..data.fingerprint import leading_bos
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text")
 
@@ -100,13 +101,6 @@ def _read_hub_dataset(name: str, split: str = "train", column: str = "text") -> 
     if column not in dataset.column_names:
         raise KHAError(f"dataset {name!r} has no {column!r} column (columns: {', '.join(dataset.column_names)})")
     return list(dataset[column])
-
-
-def leading_bos(tokenizer) -> int | None:
-    """The BOS id when TOKENIZER begins every encoding with it (Gemma, Llama 3), else None (GPT-2, SmolLM2)."""
-    bos = tokenizer.bos_token_id
-    ids = tokenizer("a")["input_ids"] if bos is not None else []
-    return bos if ids and ids[0] == bos else None
 
 
 def pack(documents: list[str], tokenizer, seq_len: int) -> torch.Tensor:

@@ -22,9 +22,20 @@ from ..common.loading import check_model_ref, load_tokenizer
 from ..common.model_card import carry_training_card
 from ..common.output import check_adoptable, check_no_interrupted_run, resumable_partials
 from ..common.paths import check_free_space, check_run_destination, check_run_place, is_training_run
+from ..data.corpus import TOKENIZER_DIR
 from ..modeling.configuration_kha import SUPPORTED_BASE_MODEL_TYPES
 from ..modeling.modeling_kha import KHAForCausalLM
+from .corpus_data import (
+    check_raw_data_fits,
+    check_resumed_record,
+    check_vocabulary_fits,
+    corpus_splits,
+    prepared_corpus,
+    run_record,
+    write_run_record,
+)
 from .data import read_documents, train_heldout_split
+from .from_config import is_config_ref, kha_config_from, model_from_config
 from .guards import (
     StopOnNonFiniteLoss,
     check_batches,
@@ -62,6 +73,13 @@ def _world_size() -> int:
         return max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+def check_positions(config, seq_len: int) -> None:
+    """A block longer than the model's positions would train positions it has never had (or index past them)."""
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(positions, int) and seq_len > positions:
+        raise KHAError(f"--seq-len {seq_len} is past the model's {positions} positions (max_position_embeddings)")
 
 
 def check_trainable_config(folder: Path) -> None:
@@ -126,8 +144,12 @@ def train(
     eval_before: bool = False,
     tokenizer: str | Path | None = None,
     overwrite: bool = False,
+    knock: str | None = None,
 ) -> TrainResult:
-    """Train MODEL_PATH (a KHA checkpoint) and save the result to OUTPUT_DIR; returns final losses.
+    """Train MODEL_PATH (a KHA checkpoint, or a config or preset: new weights) and save it to OUTPUT_DIR.
+
+    DATA: text files, folders or a Hub dataset (tokenized in memory), or one corpus prepared by `kha tokenize` (read
+    lazily: memory stays flat however large it is). KNOCK: the knocks of a base family's config. Returns the losses.
 
     OUTPUT_DIR follows the rules of `kha convert`: never the model, a folder holding it, the working directory, home,
     a root or a folder inside the data; an existing one only with `overwrite` (or `resume`). The run works in a
@@ -139,26 +161,57 @@ def train(
         if value is not None and not value >= 0:
             raise KHAError(f"{name} must be >= 0, got {value}")
     report_to = check_report_to(report_to)  # a list: TrainingArguments does not split 'tensorboard,wandb'
-    check_model_ref(model_path)
+    from_config = is_config_ref(model_path)
+    if from_config and mode != "full":
+        raise KHAError(f"{model_path} is a config: its weights are new and train with --mode full, not --mode {mode}")
+    if knock is not None and not from_config:
+        raise KHAError("--knock applies when MODEL is a config or a preset; a checkpoint keeps its own knocks")
+    if not from_config:
+        check_model_ref(model_path)
     if Path(model_path).exists():  # adapters record their base model's path: make it absolute
         model_path = Path(model_path).resolve()
-        check_trainable_config(model_path)
+        if not from_config:
+            check_trainable_config(model_path)
+    corpus = prepared_corpus(data)  # a prepared corpus is opened and checked here, before anything else
+    if corpus is None:
+        check_raw_data_fits(data)  # raw text that would not fit in memory: refused, naming kha tokenize
+    record = run_record(corpus, data, seed, seq_len)
     if resume:  # the same destination rule as a plain run, and only a folder kha wrote is continued or replaced
         output_dir, adopt, checkpoint = resume_point(output_dir, [model_path, tokenizer], data)
+        check_resumed_record(adopt or output_dir, record)  # the same corpus, seed and block length
         replace = output_dir.exists()
     else:
         output_dir = check_run_destination(output_dir, [model_path, tokenizer], data, overwrite)
         check_no_interrupted_run(output_dir)  # its checkpoints are never deleted or left behind silently
         adopt, checkpoint, replace = None, None, overwrite
-    documents = read_documents(data)  # bad data fails before anything is loaded
+    documents = read_documents(data) if corpus is None else None  # bad data fails before anything is loaded
     # the argument names it; from here on it is the object (train has no --trust-remote-code: never offered)
-    tokenizer = load_tokenizer(model_path, tokenizer, offer_trust=False)
-    train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_heldout_blocks=max_eval_blocks)
+    if from_config:
+        if tokenizer is None and corpus is None:
+            raise KHAError(
+                f"{model_path} is a config without a tokenizer: pass --tokenizer, or --data a prepared corpus"
+            )
+        tokenizer = load_tokenizer(tokenizer or corpus.folder / TOKENIZER_DIR, None, offer_trust=False)
+    else:
+        tokenizer = load_tokenizer(model_path, tokenizer, offer_trust=False)
+    if corpus is not None:
+        train_set, heldout_set = corpus_splits(corpus, tokenizer, seq_len, max_eval_blocks)
+    else:
+        train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_heldout_blocks=max_eval_blocks)
     check_batches(len(train_set), batch_size, _world_size())  # 0 steps is an error, before the model is loaded
-    try:
-        model = KHAForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if bf16 else torch.float32)
-    except (OSError, ValueError) as err:
-        raise KHAError(f"cannot load a KHA model from {model_path}: {err}") from err
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if from_config:
+        config = kha_config_from(model_path, knock, len(tokenizer))
+        check_positions(config, seq_len)
+        model = model_from_config(config, seed, dtype)
+    else:
+        try:
+            model = KHAForCausalLM.from_pretrained(model_path, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise KHAError(f"cannot load a KHA model from {model_path}: {err}") from err
+        check_positions(model.config, seq_len)
+    if corpus is not None:
+        check_vocabulary_fits(corpus, model.config.get_text_config().vocab_size)
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
     check_lora_rank(model, lora_r, mode)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -191,6 +244,8 @@ def train(
             callbacks=[CheckpointCodeCallback(), StopOnNonFiniteLoss()],
             knock_lr=knock_lr,
         )
+        if trainer.is_world_process_zero():
+            write_run_record(work, record)  # what --resume checks: the same corpus, seed and block length
         before = trainer.evaluate()["eval_loss"] if eval_before else None
         try:
             output = trainer.train(resume_from_checkpoint=checkpoint)
@@ -209,7 +264,7 @@ def train(
             tokenizer.save_pretrained(work)
         except (OSError, SafetensorError) as err:  # a full disk ends here; safetensors' error is no OSError
             raise KHAError(f"cannot save the trained model to {output_dir}: {err}") from err
-        if Path(model_path).is_dir():
+        if Path(model_path).is_dir() and not from_config:
             note = (
                 f"Trained with `kha train --mode {mode}` for {output.global_step} steps of {batch_size * grad_accum} "
                 f"x {seq_len} tokens; held-out loss {heldout:.4f}."

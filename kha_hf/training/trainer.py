@@ -10,6 +10,8 @@ from pathlib import Path
 from transformers import Trainer, TrainerCallback
 
 from ..common.model_code import copy_model_code
+from ..data.corpus import TokenBlockFile
+from ..data.order import GlobalBlockOrder
 from .params import is_knock_parameter, knock_distance_from_init, optimizer_param_groups
 from .progress import use_readable_progress
 
@@ -52,6 +54,17 @@ class KHATrainer(Trainer):
         per_device = max(1, len(eval_set) // max(1, self.args.world_size))
         if self.args.per_device_eval_batch_size > per_device:
             self.args.per_device_eval_batch_size = per_device
+
+    def _get_train_sampler(self, *args, **kwargs):
+        # A prepared corpus's blocks go in one global order computed from the seed (data.order): constant memory
+        # where RandomSampler holds a permutation of every block, and the same blocks at each step for any number
+        # of processes. Anything else keeps Trainer's sampler.
+        dataset = next(iter(args), kwargs.get("train_dataset"))  # (train_dataset=None) since transformers 4.x
+        dataset = self.train_dataset if dataset is None else dataset
+        if isinstance(dataset, TokenBlockFile):
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            return GlobalBlockOrder(len(dataset), seed)
+        return super()._get_train_sampler(*args, **kwargs)
 
     def get_decay_parameter_names(self, model) -> list[str]:
         # Decay pulls toward 0, but a knock's neutral value is the identity: never decay knocks.

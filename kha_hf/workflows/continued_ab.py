@@ -156,6 +156,8 @@ def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
     LoRA control's rank if it runs."""
     from ..conversion import convert
     from ..conversion.source import dequantize_gguf, resolve_source
+    from ..data.corpus import SPLITS
+    from ..training.corpus_data import check_raw_data_fits, prepared_corpus
     from ..training.data import OTHER_DOMAIN, other_domain_blocks, read_documents, train_validation_heldout_split
 
     source = resolve_source(s.model)
@@ -170,9 +172,17 @@ def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
         print(f"converting {base_dir} to KHA ({s.knock}) in {kha_dir}")
         convert(base_dir, kha_dir, knock=s.knock, link=True, progress=False)
     tokenizer = load_tokenizer(base_dir, s.tokenizer, s.trust_remote_code)
-    train, validation, heldout = train_validation_heldout_split(
-        read_documents(s.data), tokenizer, s.seq_len, max_eval_blocks=s.eval_blocks
-    )
+    corpus = prepared_corpus(s.data)
+    if corpus is not None:  # read lazily, with the splits kha tokenize set aside
+        corpus.check_tokenizer(tokenizer)
+        train, validation, heldout = (
+            corpus.blocks(split, s.seq_len, None if split == "train" else s.eval_blocks) for split in SPLITS
+        )
+    else:
+        check_raw_data_fits(s.data)
+        train, validation, heldout = train_validation_heldout_split(
+            read_documents(s.data), tokenizer, s.seq_len, max_eval_blocks=s.eval_blocks
+        )
     other = other_domain_blocks(tokenizer, s.seq_len, s.eval_blocks)
     print(
         f"data: {len(train)} train / {len(validation)} validation / {len(heldout)} held-out blocks of {s.seq_len} "

@@ -9,7 +9,21 @@ import pytest
 
 from kha_hf.cli import SUBCOMMANDS, build_parser, main
 
-NAMES = ["convert", "verify", "train", "ab", "eval", "inspect", "fold", "adapter", "push", "serve", "demo", "assets"]
+NAMES = [
+    "convert",
+    "verify",
+    "tokenize",
+    "train",
+    "ab",
+    "eval",
+    "inspect",
+    "fold",
+    "adapter",
+    "push",
+    "serve",
+    "demo",
+    "assets",
+]
 
 
 def test_every_subcommand_is_registered():

@@ -1,0 +1,87 @@
+"""`kha train` from a config, not a checkpoint: a preset name, a config.json, or a folder holding only a config.
+
+A base family's config becomes a KHA config with `--knock`; a KHA config keeps its own knocks. The model is built
+with fresh weights from the seed (knocks at the identity, as in every KHA init), with the vocabulary of the
+tokenizer it will train with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..common.checkpoint import read_config
+from ..common.checks import check_config_numbers
+from ..common.errors import KHAError
+from ..modeling.configuration_kha import KHAConfig
+from .ab_presets import AB_PRESETS
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+
+
+def is_config_ref(ref: str | Path) -> bool:
+    """A preset name, a .json file, or a folder with a config.json and no weights."""
+    if str(ref) in AB_PRESETS:
+        return True
+    path = Path(ref).expanduser()
+    if path.is_file():
+        return path.suffix == ".json"
+    return (
+        path.is_dir()
+        and (path / "config.json").is_file()
+        and not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS)
+    )
+
+
+def kha_config_from(ref: str | Path, knock: str | None, vocab_size: int) -> KHAConfig:
+    """The KHA config REF describes, its vocabulary set to VOCAB_SIZE (the tokenizer's)."""
+    from transformers import AutoConfig
+
+    if str(ref) in AB_PRESETS:
+        base = AB_PRESETS[str(ref)].config()
+    else:
+        path = Path(ref).expanduser()
+        folder = path if path.is_dir() else path.parent
+        if path.is_dir() or path.name == "config.json":
+            values = read_config(folder)
+        else:  # another name: read as config.json would be, with the same one-line refusals
+            values = _read_json_config(path)
+        check_config_numbers(values, str(path))  # hostile sizes (10^9 layers) are refused before anything is built
+        try:
+            base = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as err:
+            raise KHAError(f"cannot read a model config from {path}: {err}") from err
+    try:
+        if isinstance(base, KHAConfig):
+            if knock is not None:
+                raise KHAError(f"{ref} is a KHA config with its own knocks; --knock applies to a base family's config")
+            config = base
+        else:
+            config = KHAConfig.from_base(base, knock=knock or "mlp_v")
+    except ValueError as err:
+        raise KHAError(str(err)) from err
+    config.vocab_size = vocab_size
+    return config
+
+
+def _read_json_config(path: Path) -> dict:
+    import json
+
+    if path.stat().st_size > 16 << 20:
+        raise KHAError(f"{path} is larger than 16 MiB: not a model config")
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise KHAError(f"{path} is not a JSON model config: {err}") from err
+    if not isinstance(values, dict):
+        raise KHAError(f"{path} is not a JSON object")
+    return values
+
+
+def model_from_config(config: KHAConfig, seed: int, dtype):
+    """A freshly initialised KHA model of CONFIG (seeded: every rank of a run builds the same weights)."""
+    import torch
+
+    from ..modeling.modeling_kha import KHAForCausalLM
+
+    torch.manual_seed(seed)
+    return KHAForCausalLM._from_config(config, dtype=dtype)
