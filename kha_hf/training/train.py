@@ -199,6 +199,24 @@ def train(
     else:
         train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_heldout_blocks=max_eval_blocks)
     check_batches(len(train_set), batch_size, _world_size())  # 0 steps is an error, before the model is loaded
+    # before the model: under DeepSpeed ZeRO-3 (accelerate launch) the arguments switch transformers to build it
+    # partitioned across ranks (deepspeed.zero.Init), as from_pretrained and from_config then do
+    args = paper_training_arguments(
+        output_dir,  # replaced by the run's working folder below
+        max_steps=max_steps,
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=batch_size,
+        gradient_accumulation_steps=grad_accum,
+        learning_rate=lr if lr is not None else DEFAULT_LR[mode],
+        bf16=bf16,
+        activation_checkpointing=gradient_checkpointing,  # the current name (transformers >= 5.24)
+        save_steps=save_steps or max(1, max_steps // 2),
+        logging_steps=logging_steps or max(1, math.ceil(max_steps / 20)),
+        seed=seed,
+        data_seed=seed,
+        report_to=report_to,
+        disable_tqdm=disable_tqdm,
+    )
     dtype = torch.bfloat16 if bf16 else torch.float32
     if from_config:
         config = kha_config_from(model_path, knock, len(tokenizer))
@@ -218,22 +236,6 @@ def train(
     check_free_space(output_dir.parent, model_bytes + (1 << 20), "the trained model")
 
     model = prepare_for_mode(model, mode, lora_r=lora_r)
-    args = paper_training_arguments(
-        output_dir,  # replaced by the run's working folder below
-        max_steps=max_steps,
-        per_device_train_batch_size=batch_size,
-        per_device_eval_batch_size=batch_size,
-        gradient_accumulation_steps=grad_accum,
-        learning_rate=lr if lr is not None else DEFAULT_LR[mode],
-        bf16=bf16,
-        activation_checkpointing=gradient_checkpointing,  # the current name (transformers >= 5.24)
-        save_steps=save_steps or max(1, max_steps // 2),
-        logging_steps=logging_steps or max(1, math.ceil(max_steps / 20)),
-        seed=seed,
-        data_seed=seed,
-        report_to=report_to,
-        disable_tqdm=disable_tqdm,
-    )
     with run_output_dir(output_dir, replace, args, adopt=adopt) as work:
         trainer = KHATrainer(
             model=model,
@@ -251,8 +253,11 @@ def train(
             output = trainer.train(resume_from_checkpoint=checkpoint)
         except pickle.UnpicklingError as err:  # torch.load(weights_only=True) refused an object: nothing ran
             raise KHAError(f"cannot resume from {checkpoint}: {unpickling_reason(err)}") from err
-        heldout = trainer.evaluate()["eval_loss"]
+        metrics = trainer.evaluate()
+        heldout = metrics["eval_loss"]
         check_training_result(output.global_step, output.training_loss, heldout, model)  # keeps no bad model
+        trainer.save_metrics("train", output.metrics)  # train_results.json, eval_results.json: as HF's examples do
+        trainer.save_metrics("eval", metrics)
         adapter_dir = None
         print(f"saving the trained model to {output_dir}")
         try:

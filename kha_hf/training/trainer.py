@@ -12,6 +12,7 @@ from transformers import Trainer, TrainerCallback
 from ..common.model_code import copy_model_code
 from ..data.corpus import TokenBlockFile
 from ..data.order import GlobalBlockOrder
+from .engine_checks import StartCheck
 from .params import is_knock_parameter, knock_distance_from_init, optimizer_param_groups
 from .progress import use_readable_progress
 
@@ -40,6 +41,7 @@ class KHATrainer(Trainer):
         self._fit_eval_batch_to_eval_set()
         use_readable_progress(self)  # a step bar and one line per log, not raw dicts
         self.add_callback(KnockSyncCheck)
+        self.add_callback(StartCheck(self))  # knocks at their start and out of weight decay, on every rank
         self.knock_lr = knock_lr
         self._last_log = (time.perf_counter(), 0)
         self._knocks_train = any(p.requires_grad and is_knock_parameter(n) for n, p in self.model.named_parameters())

@@ -47,3 +47,15 @@ def kha_dir(corpus, tmp_path_factory):
     tokenizer.save_pretrained(root / "init")
     train(root / "init", root / "warm", data=[str(data)], mode="full", max_steps=12, lr=3e-3, **STEPS)
     return root / "warm"
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+    """The two plays prepared by kha tokenize with the corpus fixture's tokenizer (kha_dir's own)."""
+    from kha_hf.data.prepare import tokenize_corpus
+
+    data, tokenizer = corpus
+    root = tmp_path_factory.mktemp("prepared")
+    tokenizer.save_pretrained(root / "tokenizer")
+    tokenize_corpus([str(data)], root / "tokenizer", root / "corpus", workers=1, disable_tqdm=True)
+    return root / "corpus"

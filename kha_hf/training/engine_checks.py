@@ -1,0 +1,99 @@
+"""What a run checks on every rank as it starts, whatever engine shards it (DDP, FSDP2, DeepSpeed ZeRO-2/3):
+the knocks' starting values and the weight decay their optimizer groups apply.
+
+Each rank gathers what it holds: an FSDP2 parameter is a DTensor (`full_tensor()`), a ZeRO-3 parameter is a
+partition (`deepspeed.zero.GatheredParameters`), and ZeRO keeps the model's own parameters in its groups
+(`bit16_groups` for stages 1-2, `fp16_groups` for stage 3) beside flat copies the inner optimizer steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from ..modeling.knocks import KnockLinear
+from .params import is_knock_parameter
+
+
+def _gathered(params: list[nn.Parameter]):
+    if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3: every rank takes part in the gather
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def knock_start_error(model: nn.Module) -> float:
+    """The largest |W - start| over every knock matrix (start: the identity, or zeros for an MLP knock's gate);
+    0.0 exactly when the knocks are where KHA starts them. Collective under ZeRO-3: call it on every rank."""
+    worst = 0.0
+    for module in model.modules():
+        if not isinstance(module, KnockLinear):
+            continue
+        with _gathered([module.weight]):
+            weight = module.weight
+            full = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # FSDP2 / TP: a DTensor
+            full = full.detach().to("cpu", torch.float64)
+            start = torch.eye(full.shape[0], dtype=torch.float64) if module.start == "identity" else 0 * full
+            worst = max(worst, (full - start).abs().max().item())
+    return worst
+
+
+def knock_decays(model: nn.Module, optimizer) -> set[float]:
+    """The weight decays the optimizer applies to knock parameters (an empty set when it holds none)."""
+    knock_ids = {id(p) for name, p in model.named_parameters() if is_knock_parameter(name)}
+    inner = optimizer
+    while inner is not None:
+        groups = getattr(inner, "bit16_groups", None) or getattr(inner, "fp16_groups", None)
+        if groups is not None:  # DeepSpeed ZeRO: the model's parameters, group by group
+            return {
+                float(inner.param_groups[i]["weight_decay"])
+                for i, params in enumerate(groups)
+                if any(id(p) in knock_ids for p in params)
+            }
+        if getattr(inner, "optimizer", None) is not None:  # accelerate's and DeepSpeed's wrappers hold the real one
+            inner = inner.optimizer
+            continue
+        if isinstance(inner, torch.optim.Optimizer):
+            return {
+                float(group["weight_decay"])
+                for group in inner.param_groups
+                if any(id(p) in knock_ids for p in group["params"])
+            }
+        break
+    return set()
+
+
+class StartCheck(TrainerCallback):
+    """At the first step of a new run, every rank reports its knocks' start and their weight decay; the main
+    process prints one line: `knocks at the start: identity on all N ranks; weight decay on knocks: [0.0]`.
+
+    It holds its trainer: Trainer hands callbacks the optimizer it had when it was built (None), not the one it
+    makes at train time (transformers 5.25)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        model, optimizer = self.trainer.model, self.trainer.optimizer
+        if model is None or state.global_step != 0:
+            return control
+        if not any(isinstance(m, KnockLinear) for m in model.modules()):
+            return control
+        report = (knock_start_error(model), sorted(knock_decays(model, optimizer)) if optimizer is not None else None)
+        reports = [report]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, report)
+        if state.is_world_process_zero:
+            errors = [r[0] for r in reports]
+            start = "identity" if max(errors) == 0 else f"trained (max |W - start| {max(errors):.3g})"
+            decays = {tuple(r[1]) for r in reports if r[1] is not None}
+            decay = ", ".join(str(list(d)) for d in sorted(decays)) if decays else "not known"
+            print(f"knocks at the start: {start} on all {len(reports)} ranks; weight decay on knocks: {decay}")
+        return control

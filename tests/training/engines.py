@@ -1,0 +1,73 @@
+"""Shared by the multi-process training tests: `kha train` under `accelerate launch` with the shipped configs
+(examples/accelerate/*.yaml: 2 CPU processes, gloo), a prepared corpus, and readers of what a run leaves."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from kha_hf.data.corpus import open_corpus
+from tests.helpers import free_port
+
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "accelerate"
+ENGINES = ("ddp", "fsdp2-full", "fsdp2-sharded", "zero2", "zero3")
+RUN = ["--seq-len", "64", "--logging-steps", "1"]
+
+
+def launcher(engine: str | None) -> list[str]:
+    """The command that starts `python -m kha_hf` on 1 process (None) or on 2 with ENGINE's shipped config."""
+    if engine is None:
+        return [sys.executable]
+    config = CONFIGS / f"{engine}.yaml"
+    port = str(free_port())
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        port,
+    ]
+
+
+def kha_env(tmp_path: Path) -> dict:
+    # no user accelerate config may leak in; DeepSpeed reads no GPU
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "ACCELERATE_CONFIG_FILE": str(tmp_path / "none.yaml")}
+
+
+def kha_train(args: list, engine: str | None, tmp_path: Path, expect: int = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [*launcher(engine), "-m", "kha_hf", "train", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=kha_env(tmp_path),
+        timeout=900,
+    )
+    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def logged_losses(out: Path) -> dict[int, float]:
+    """Step -> training loss, from the last checkpoint's trainer state (a resumed run's holds the whole history)."""
+    last = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    state = json.loads((last / "trainer_state.json").read_text())
+    return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+
+
+def heldout_loss(model_dir: Path, corpus_dir: Path, seq_len: int = 64, global_batch: int = 4) -> float:
+    """The mean loss of the saved model over the held-out blocks the run evaluated: at most 256, in whole global
+    batches (the paper's arguments drop an incomplete batch, in evaluation too)."""
+    from kha_hf import KHAForCausalLM
+
+    model = KHAForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    blocks = open_corpus(corpus_dir).blocks("heldout", seq_len, 256)
+    losses = []
+    with torch.no_grad():
+        for i in range(len(blocks) // global_batch * global_batch):
+            ids = blocks[i]["input_ids"][None]
+            losses.append(model(ids, labels=ids).loss.item())
+    return sum(losses) / len(losses)
