@@ -48,7 +48,7 @@ def kill_after_first_checkpoint(command: list, tmp_path, out) -> None:
             if any(p.is_file() for p in out.parent.glob(f".kha-*.partial/checkpoint-{SAVE}/trainer_state.json")):
                 break
             time.sleep(0.02)
-    finally:  # every process of the run, as a crashed node loses them: torchrun starts its ranks in sessions of their own
+    finally:  # every process of the run, as a crashed node loses them (torchrun gives its ranks sessions of their own)
         for child in psutil.Process(proc.pid).children(recursive=True):
             child.kill()
         os.killpg(proc.pid, signal.SIGKILL)
