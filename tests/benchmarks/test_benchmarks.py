@@ -17,6 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
         ("decode.py", ["--compile"], ["linear_qkv folded", "aten ops / step", "torch.compile + static cache"]),
         ("convert_memory.py", [], ["kha convert (copy)", "naive load-modify-save", "kha fold"]),
         ("cli_startup.py", [], ["ratio vs transformers --help", "kha train --help", "argument error"]),
+        ("corpus_scale.py", [], ["in memory (`pack`, 1 core)", "peak RSS, large / small", "loader / training"]),
     ],
 )
 def test_benchmark_quick_mode_reports(script, extra_args, expected):

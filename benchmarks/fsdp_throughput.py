@@ -1,0 +1,142 @@
+"""Training tokens/s of KHA against its baseline under FSDP2, both arms from one prepared corpus, paired by round.
+
+Each round trains the baseline (a stock Qwen3 of the preset's shape) and its KHA twin (the same initial weights plus
+identity knocks) for the same steps on the same blocks, each in a fresh `accelerate launch` with the shipped FSDP2
+config, the order of the two alternating between rounds. A round's ratio is KHA's tokens/s over the baseline's in
+that round; the table gives their geometric mean and the smallest and largest round.
+
+    python benchmarks/fsdp_throughput.py                 # CPU: 2 processes (gloo), cpu-tiny, fp32, 3 rounds
+    python benchmarks/fsdp_throughput.py --quick         # 1 round of 4 steps, for CI
+    python benchmarks/fsdp_throughput.py --gpu           # a GPU machine: 1 process per GPU, gpu-small, bf16
+
+--gpu is the script for the device machine: FSDP2 with bf16 mixed precision, both arms, in under 10 minutes on one
+H100 (2 rounds x 2 arms x 60 steps of 16 x 1024 tokens, gpu-small).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "accelerate" / "fsdp2-full.yaml"
+
+
+def worker(arm: str, preset_name: str, corpus: str, steps: int, batch: int, seq: int, bf16: bool, out: str) -> None:
+    """One arm's run, in each process of `accelerate launch`: train STEPS steps and print tokens/s (rank 0)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kha_hf import KHAForCausalLM
+    from kha_hf.data.corpus import open_corpus
+    from kha_hf.training.ab_presets import AB_PRESETS
+    from kha_hf.training.train import paper_training_arguments
+    from kha_hf.training.trainer import KHATrainer
+
+    prepared = open_corpus(corpus)
+    config = AB_PRESETS[preset_name].config()
+    config.vocab_size = prepared.manifest["tokenizer"]["size"]
+    args = paper_training_arguments(
+        out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=1e-3, logging_steps=steps,
+        save_strategy="no", seed=0, data_seed=0, bf16=bf16, disable_tqdm=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    if arm == "kha":
+        model = KHAForCausalLM.from_base(copy.deepcopy(model), knock="mlp_v")
+    trainer = KHATrainer(model=model, args=args, train_dataset=prepared.blocks("train", seq))
+    metrics = trainer.train().metrics
+    if trainer.is_world_process_zero():
+        print(json.dumps({"arm": arm, "tokens_per_second": metrics["train_samples_per_second"] * seq}))
+
+
+def launch(arm: str, args, corpus: Path, tmp: Path) -> float:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG)]
+    command += ["--num_processes", str(args.processes), "--mixed_precision", "bf16" if args.gpu else "no"]
+    command += [__file__, "--worker", arm, "--preset", args.preset, "--corpus", str(corpus), "--steps",
+                str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
+                "--out", str(tmp / arm)]  # fmt: skip
+    if args.gpu:
+        command.append("--bf16")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ACCELERATE_CONFIG_FILE": str(tmp / "none.yaml")}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        sys.exit(f"{arm} failed:\n{proc.stderr[-3000:]}")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("{") and '"arm"' in x)
+    return json.loads(line)["tokens_per_second"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--worker", choices=("baseline", "kha"))
+    for name, kind in (("preset", str), ("corpus", str), ("steps", int), ("batch", int), ("seq", int), ("out", str)):
+        parser.add_argument(f"--{name}", type=kind)
+    parser.add_argument("--bf16", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.preset, args.corpus, args.steps, args.batch, args.seq, args.bf16, args.out)
+        return
+    if args.gpu:
+        import torch
+
+        args.processes, args.preset, args.steps, args.batch, args.seq = (
+            torch.cuda.device_count(),
+            "gpu-small",
+            60,
+            16,
+            1024,
+        )
+        rounds = args.rounds or 2
+    else:
+        args.processes, args.preset, args.batch, args.seq = 2, "cpu-tiny", 4, 256
+        args.steps = 4 if args.quick else 40
+        rounds = 1 if args.quick else (args.rounds or 3)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    print(f"# FSDP2 training throughput, {datetime.date.today()}, {args.processes} process(es), {platform.machine()}, "
+          f"preset {args.preset}, {args.steps} steps of {args.processes} x {args.batch} x {args.seq} tokens, "
+          f"{'bf16' if args.gpu else 'fp32'}")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kha-fsdp-bench-") as tmp:
+        tmp = Path(tmp)
+        script = (
+            "import sys; from kha_hf.training.tokenizer import train_bpe_tokenizer as t; "
+            "from kha_hf.training.data import read_documents as r; t(r(None), 8192).save_pretrained(sys.argv[1])"
+        )
+        subprocess.run([sys.executable, "-c", script, str(tmp / "tok")], check=True, env=env, cwd=ROOT)
+        plays = subprocess.run(
+            [sys.executable, "-c", "from kha_hf.common.assets import shakespeare_files as s; print(s()[0].parent)"],
+            capture_output=True, text=True, check=True, env=env, cwd=ROOT,
+        ).stdout.strip()  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "kha_hf", "tokenize", plays, "--tokenizer", str(tmp / "tok"), "--output",
+             str(tmp / "corpus")], check=True, env=env, cwd=ROOT, capture_output=True,
+        )  # fmt: skip
+        ratios = []
+        for r in range(rounds):
+            order = ("baseline", "kha") if r % 2 == 0 else ("kha", "baseline")
+            rates = {arm: launch(arm, args, tmp / "corpus", tmp) for arm in order}
+            ratios.append(rates["kha"] / rates["baseline"])
+            print(f"round {r + 1}: baseline {rates['baseline']:,.0f} tok/s, kha {rates['kha']:,.0f} tok/s, "
+                  f"ratio {ratios[-1]:.3f}x")  # fmt: skip
+    mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    print("\n| arms | rounds | KHA (mlp_v) / baseline tokens/s, geometric mean | smallest | largest |")
+    print("|---|---|---|---|---|")
+    print(
+        f"| FSDP2, {args.processes} process(es) | {len(ratios)} | {mean:.3f}x | {min(ratios):.3f}x | {max(ratios):.3f}x |"
+    )
+
+
+if __name__ == "__main__":
+    main()
