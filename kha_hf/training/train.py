@@ -76,8 +76,13 @@ def _world_size() -> int:
 
 
 def check_positions(config, seq_len: int) -> None:
-    """A block longer than the model's positions would train positions it has never had (or index past them)."""
-    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    """A block longer than the model's positions would train positions it has never had (or index past them).
+    CONFIG: a config object or a checkpoint's config dict."""
+    if isinstance(config, dict):
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        positions = text.get("max_position_embeddings")
+    else:
+        positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     if isinstance(positions, int) and seq_len > positions:
         raise KHAError(f"--seq-len {seq_len} is past the model's {positions} positions (max_position_embeddings)")
 
@@ -194,6 +199,11 @@ def train(
         tokenizer = load_tokenizer(tokenizer or corpus.folder / TOKENIZER_DIR, None, offer_trust=False)
     else:
         tokenizer = load_tokenizer(model_path, tokenizer, offer_trust=False)
+    if from_config:
+        config = kha_config_from(model_path, knock, len(tokenizer))
+        check_positions(config, seq_len)
+    elif Path(model_path).is_dir():  # a Hub id is checked once loaded
+        check_positions(open_checkpoint(model_path).config, seq_len)
     if corpus is not None:
         train_set, heldout_set = corpus_splits(corpus, tokenizer, seq_len, max_eval_blocks)
     else:
@@ -219,8 +229,6 @@ def train(
     )
     dtype = torch.bfloat16 if bf16 else torch.float32
     if from_config:
-        config = kha_config_from(model_path, knock, len(tokenizer))
-        check_positions(config, seq_len)
         model = model_from_config(config, seed, dtype)
     else:
         try:
