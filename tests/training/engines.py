@@ -17,11 +17,12 @@ ENGINES = ("ddp", "fsdp2-full", "fsdp2-sharded", "zero2", "zero3")
 RUN = ["--seq-len", "64", "--logging-steps", "1"]
 
 
-def launcher(engine: str | None) -> list[str]:
-    """The command that starts `python -m kha_hf` on 1 process (None) or on 2 with ENGINE's shipped config."""
+def launcher(engine: str | Path | None) -> list[str]:
+    """The command that starts `python -m kha_hf` on 1 process (None) or on 2 with ENGINE's shipped config (or the
+    config file ENGINE names)."""
     if engine is None:
         return [sys.executable]
-    config = CONFIGS / f"{engine}.yaml"
+    config = engine if isinstance(engine, Path) else CONFIGS / f"{engine}.yaml"
     port = str(free_port())
     return [
         sys.executable,

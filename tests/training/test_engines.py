@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.training.engines import ENGINES, RUN, heldout_loss, kha_train, logged_losses
+from tests.training.engines import CONFIGS, ENGINES, RUN, heldout_loss, kha_train, logged_losses
 
 TOLERANCE = 1e-4  # per logged loss: the same batches, reduced in another order
 
@@ -88,3 +88,42 @@ def test_from_a_converted_checkpoint(engine, prepared, kha_dir, tmp_path):
     assert "on all 2 ranks; weight decay on knocks: [0.0]" in proc.stdout
     reported = json.loads((out / "eval_results.json").read_text())["eval_loss"]
     assert abs(heldout_loss(out, prepared) - reported) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def converted(corpus, tmp_path_factory):
+    """A stock tiny Qwen3 converted to KHA (mlp_v): its knocks on disk are the identity."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from kha_hf.conversion import convert
+    from tests.training.conftest import tiny_qwen3
+
+    _, tokenizer = corpus
+    root = tmp_path_factory.mktemp("converted")
+    torch.manual_seed(1)
+    Qwen3ForCausalLM(tiny_qwen3(vocab_size=512)).save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    convert(root / "base", root / "kha", knock="mlp_v", progress=False)
+    return root / "kha"
+
+
+def test_fsdp2_meta_device_build(converted, prepared, tmp_path):
+    """With fsdp_cpu_ram_efficient_loading (what large models need), transformers loads the checkpoint on rank 0 and
+    builds it on the meta device elsewhere, and accelerate sends rank 0's weights out: the knocks start at the
+    identity on every rank and the run computes what a run with every rank loading computes."""
+    config = (CONFIGS / "fsdp2-full.yaml").read_text()
+    meta = tmp_path / "fsdp2-meta.yaml"
+    meta.write_text(config.replace("fsdp_cpu_ram_efficient_loading: false", "fsdp_cpu_ram_efficient_loading: true"))
+    losses = {}
+    for name, config_file in (("meta", meta), ("full", CONFIGS / "fsdp2-full.yaml")):
+        out = tmp_path / name
+        proc = kha_train(
+            [converted, "--data", prepared, "--mode", "full", "--max-steps", "3", "--batch-size", "2", *RUN,
+             "--output", out],
+            config_file,
+            tmp_path,
+        )  # fmt: skip
+        assert "knocks at the start: identity on all 2 ranks; weight decay on knocks: [0.0]" in proc.stdout
+        losses[name] = logged_losses(out)
+    assert max(abs(losses["meta"][s] - losses["full"][s]) for s in losses["full"]) < 1e-6, losses
