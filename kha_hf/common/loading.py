@@ -305,6 +305,10 @@ def load_tokenizer(
             f"cannot load a tokenizer from {source}: {reason}"
             + ("" if tokenizer or not offer_tokenizer else "; pass --tokenizer NAME_OR_PATH to use another one")
         ) from err
+    except Exception as err:
+        # a tokenizer.json that is JSON but not a tokenizer: transformers' KeyError ('added_tokens'), or tokenizers'
+        # bare Exception from Rust ("data did not match any variant of untagged enum ...", tokenizers 0.23)
+        raise KHAError(f"cannot load a tokenizer from {source}: not a valid tokenizer ({describe_error(err)})") from err
 
 
 # A multimodal checkpoint's image processor: one of these files (beside the tokenizer's)

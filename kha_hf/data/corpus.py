@@ -123,7 +123,7 @@ def open_corpus(folder: str | Path) -> PreparedCorpus:
     if manifest.get("version") != VERSION:
         raise KHAError(f"{path} has format version {manifest.get('version')!r}; this kha-hf reads version {VERSION}")
     dtype_name, tokens = manifest.get("dtype"), manifest.get("tokens")
-    if dtype_name not in DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise KHAError(f"{path}: dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise KHAError(f"{path}: tokens must be a positive integer, got {tokens!r}")
@@ -135,9 +135,35 @@ def open_corpus(folder: str | Path) -> PreparedCorpus:
             f"{dtype.itemsize} the manifest says: the corpus is damaged or unfinished; prepare it again"
         )
     splits = _checked_splits(path, manifest.get("splits"), tokens)
-    if not isinstance(manifest.get("tokenizer"), dict) or not isinstance(manifest.get("sources"), list):
-        raise KHAError(f"{path} lacks its tokenizer or sources record: not a manifest kha tokenize wrote")
+    _check_records(path, manifest)
     return PreparedCorpus(folder, manifest, dtype, splits)
+
+
+def _is_int(value) -> bool:
+    return type(value) is int
+
+
+def _check_records(path: Path, manifest: dict) -> None:
+    """The tokenizer, sources and largest id are what kha tokenize writes, or a one-line refusal."""
+    tokenizer, sources = manifest.get("tokenizer"), manifest.get("sources")
+    if not isinstance(tokenizer, dict) or not isinstance(sources, list):
+        raise KHAError(f"{path} lacks its tokenizer or sources record: not a manifest kha tokenize wrote")
+    if not _is_int(tokenizer.get("size")) or not (
+        tokenizer.get("leading_bos") is None or _is_int(tokenizer["leading_bos"])
+    ):
+        raise KHAError(f"{path}: the tokenizer record's size or leading_bos is not an integer")
+    if not _is_int(manifest.get("max_token_id")) or manifest["max_token_id"] < 0:
+        raise KHAError(f"{path}: max_token_id must be a non-negative integer, got {manifest.get('max_token_id')!r}")
+    for source in sources:
+        ok = (
+            isinstance(source, dict)
+            and isinstance(source.get("name"), str)
+            and source.get("kind") in ("file", "hub")
+            and _is_int(source.get("bytes"))
+            and (source.get("mtime_ns") is None or _is_int(source["mtime_ns"]))
+        )
+        if not ok:
+            raise KHAError(f"{path}: a source record is not what kha tokenize writes: {str(source)[:80]}")
 
 
 def _checked_splits(path: Path, splits, tokens: int) -> dict[str, tuple[int, int]]:
@@ -161,6 +187,7 @@ class TokenBlockFile(Dataset):
 
     def __init__(self, path: Path, dtype: np.dtype, start: int, body: int, n: int, bos: int | None) -> None:
         self.path, self.dtype, self.start, self.body, self.n, self.bos = path, dtype, start, body, n, bos
+        self.id_limit: int | None = None  # the model's vocabulary: an id at or past it is refused, not looked up
         self._fd: int | None = None
         self._pid: int | None = None
 
@@ -183,7 +210,13 @@ class TokenBlockFile(Dataset):
         data = os.pread(self._descriptor(), size, (self.start + i * self.body) * self.dtype.itemsize)
         if len(data) != size:
             raise KHAError(f"{self.path} is shorter than its manifest says (block {i}): the corpus changed")
-        ids = torch.from_numpy(np.frombuffer(data, dtype=self.dtype).astype(np.int64))
+        ids = np.frombuffer(data, dtype=self.dtype)
+        if self.id_limit is not None and int(ids.max()) >= self.id_limit:  # the manifest's max_token_id lied
+            raise KHAError(
+                f"{self.path} holds token id {int(ids.max())} (block {i}), past the model's vocabulary of "
+                f"{self.id_limit}: the corpus is not what its manifest says; prepare it again"
+            )
+        ids = torch.from_numpy(ids.astype(np.int64))
         if self.bos is not None:
             ids = torch.cat([torch.tensor([self.bos]), ids])
         return ids

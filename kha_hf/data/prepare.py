@@ -29,7 +29,7 @@ from .corpus import FORMAT, MANIFEST, SPLITS, TOKENIZER_DIR, TOKENS, VERSION
 from .fingerprint import tokenizer_fingerprint
 from .sources import SKIP_KINDS, Piece, Source, read_pieces, resolve_sources
 
-BATCH_CHARS = 4 << 20  # text a worker encodes in one call (about 1 M tokens)
+BATCH_CHARS = 1 << 20  # text a worker encodes in one call: at most ~1 M tokens, ~200 MB of tokenizer state
 DEFAULT_EVAL_FRACTION = 0.05  # = training.data's held-out and validation fractions
 DEFAULT_MAX_EVAL_TOKENS = 1 << 24  # each evaluation split holds at most this many tokens (16.8 M)
 

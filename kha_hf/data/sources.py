@@ -2,8 +2,8 @@
 file, .jsonl one per line's "text", .parquet one per row's "text") or a Hub dataset read with `streaming=True`.
 
 Memory stays flat however large a source is: files are read in pieces of `PIECE_BYTES`, a long text document is
-handed on in pieces cut before a space between two words (so its tokens are those of the whole text), and a JSON
-line longer than `MAX_JSON_LINE` is skipped, not read whole.
+handed on in pieces cut before a space between two words (so its tokens are those of the whole text; text without
+spaces is cut at a character boundary), and a JSON line or Parquet value longer than `MAX_JSON_LINE` is skipped.
 
 What cannot become text is counted, never silently dropped (dolma and datatrove count the same way): an empty
 document (`empty`), a line that is not UTF-8 (`undecodable`), a JSON line that is not an object with a string
@@ -70,6 +70,8 @@ def resolve_sources(names: list[str]) -> list[Source]:
         raise KHAError("name at least one source: a file, a folder or a Hub dataset")
     sources: list[Source] = []
     for name in names:
+        if not str(name).strip():
+            raise KHAError("an empty source name (a variable that was not set?): name a file, a folder or a dataset")
         path = Path(name).expanduser()
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and not p.is_dir())
@@ -84,6 +86,12 @@ def resolve_sources(names: list[str]) -> list[Source]:
             sources.append(Source(name, "hub"))
         else:
             raise KHAError(f"{name}: no such file or folder (and not a Hub dataset of the form owner/name)")
+    seen: dict[str, str] = {}
+    for source in sources:  # a file read twice would train on one copy and hold the other out
+        key = os.path.realpath(source.name) if source.kind == "file" else source.name
+        if key in seen:
+            raise KHAError(f"{source.name} is named twice among the sources (also as {seen[key]}): name it once")
+        seen[key] = source.name
     return sources
 
 
@@ -161,13 +169,14 @@ def _word_start(data: bytes | str, start: int = 0, end: int | None = None) -> in
 
 
 def _text_pieces(chunks: Iterator[bytes], source: Source) -> Iterator[Piece]:
-    """One document per file, in pieces cut before a space between two words (`_word_start`); 16 pieces without
-    one (a base64 blob, a minified file) are cut at a character boundary, the only cut that may change a token."""
+    """One document per file, in pieces cut before a space between two words (`_word_start`); a piece without one
+    (Chinese or Japanese text, a base64 blob) is cut at a character boundary, the only cut that may change a token.
+    A piece is never much longer than PIECE_BYTES: a tokenizer holds tens of bytes a token while it encodes."""
     carry, pending, produced = b"", "", False
     for chunk in chunks:
         data = carry + chunk
         cut = _word_start(data)
-        if cut == 0 and len(data) >= 16 * PIECE_BYTES:  # no word boundary in 16 pieces: cut before a character
+        if cut == 0 and len(data) >= PIECE_BYTES:  # no word boundary in a piece (CJK, base64): cut before a character
             cut = len(data) - 1
             while cut > 0 and (data[cut] & 0xC0) == 0x80:  # a UTF-8 continuation byte: not a character's start
                 cut -= 1
@@ -223,11 +232,21 @@ def _json_document(line: bytes, source: Source) -> Iterator[Piece]:
     text = text.get("text") if isinstance(text, dict) else None
     if not isinstance(text, str):
         source.skipped["no_text"] += 1
+    elif not _encodable(text):  # JSON's "\ud800": a lone surrogate, no text a tokenizer takes
+        source.skipped["undecodable"] += 1
     elif not text.strip():
         source.skipped["empty"] += 1
     else:
         source.documents += 1
         yield from _split_document(text)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _split_document(text: str) -> Iterator[Piece]:
@@ -241,21 +260,32 @@ def _split_document(text: str) -> Iterator[Piece]:
 
 
 def _parquet_pieces(f, source: Source, digest, column: str) -> Iterator[Piece]:
+    import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     try:
         table = pq.ParquetFile(f)
         if column not in table.schema_arrow.names:
             raise KHAError(f"{source.name}: no {column!r} column (columns: {', '.join(table.schema_arrow.names)})")
-        for batch in table.iter_batches(batch_size=256, columns=[column]):
-            for text in batch.column(0).to_pylist():
-                if not isinstance(text, str):
+        for batch in table.iter_batches(batch_size=16, columns=[column]):
+            values = batch.column(0)
+            if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+                source.skipped["no_text"] += len(values)
+                continue
+            lengths = pc.binary_length(values).to_pylist()
+            for i, length in enumerate(lengths):  # a value's Python copy is made only for one that fits
+                if length is None:
                     source.skipped["no_text"] += 1
-                elif not text.strip():
-                    source.skipped["empty"] += 1
+                elif length > MAX_JSON_LINE:
+                    source.skipped["too_long"] += 1
                 else:
-                    source.documents += 1
-                    yield from _split_document(text)
+                    text = values[i].as_py()
+                    if not text.strip():
+                        source.skipped["empty"] += 1
+                    else:
+                        source.documents += 1
+                        yield from _split_document(text)
     except KHAError:
         raise
     except Exception as err:  # pyarrow's errors (ArrowInvalid, ...) share no base class with OSError
@@ -278,6 +308,8 @@ def _hub_pieces(source: Source, split: str, column: str) -> Iterator[Piece]:
         text = row.get(column) if isinstance(row, dict) else None
         if not isinstance(text, str):
             source.skipped["no_text"] += 1
+        elif not _encodable(text):
+            source.skipped["undecodable"] += 1
         elif not text.strip():
             source.skipped["empty"] += 1
         else:

@@ -41,7 +41,7 @@ def check_raw_data_fits(data: list[str] | None) -> None:
         path = Path(name).expanduser()
         files = path.rglob("*") if path.is_dir() else [path]
         total += sum(f.stat().st_size for f in files if f.is_file() and not f.is_symlink())
-    available = _available_memory()
+    available = available_memory()
     needed = total * RAW_BYTES_OF_MEMORY_PER_TEXT_BYTE
     if available is not None and needed > available:
         raise KHAError(
@@ -51,7 +51,8 @@ def check_raw_data_fits(data: list[str] | None) -> None:
         )
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, or None where there is none (not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -74,11 +75,14 @@ def corpus_splits(
     return train, heldout
 
 
-def check_vocabulary_fits(corpus: PreparedCorpus, vocab_size: int | None) -> None:
-    """A token id at or past the model's vocabulary would index past its embedding."""
+def check_vocabulary_fits(corpus: PreparedCorpus, vocab_size: int | None, *block_files: TokenBlockFile) -> None:
+    """A token id at or past the model's vocabulary would index past its embedding: refused from the manifest now,
+    and by each block as it is read (the manifest may lie)."""
     largest = corpus.manifest.get("max_token_id")
     if vocab_size is not None and isinstance(largest, int) and largest >= vocab_size:
         raise KHAError(f"{corpus.folder} holds token id {largest}, past the model's vocabulary of {vocab_size}")
+    for blocks in block_files:
+        blocks.id_limit = vocab_size
 
 
 def run_record(corpus: PreparedCorpus | None, data: list[str] | None, seed: int, seq_len: int) -> dict:
@@ -98,8 +102,10 @@ def write_run_record(folder: Path, record: dict) -> None:
 def check_resumed_record(folder: Path | None, record: dict) -> None:
     """`--resume` continues the run it resumes: the same corpus, seed and block length, or a one-line refusal."""
     path = folder / RUN_RECORD if folder is not None else None
-    if path is None or not path.is_file():
+    if path is None or not (path.exists() or path.is_symlink()):
         return  # a run of kha-hf <= 0.6 recorded nothing
+    if path.is_symlink() or not path.is_file():
+        raise KHAError(f"{path} is not a regular file: not the record kha train wrote; start a new run")
     try:
         kept = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:

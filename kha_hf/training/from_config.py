@@ -19,8 +19,11 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 
 
 def is_config_ref(ref: str | Path) -> bool:
-    """A preset name, a .json file, or a folder with a config.json and no weights."""
+    """A preset name, a .json file, or a folder with a config.json and no weights. A name that is both a preset and
+    a path here is refused: which one was meant cannot be told."""
     if str(ref) in AB_PRESETS:
+        if Path(ref).exists() or Path(ref).is_symlink():
+            raise KHAError(f"{ref} is a preset and also a path here: write ./{ref} for the path, or run elsewhere")
         return True
     path = Path(ref).expanduser()
     if path.is_file():
@@ -48,8 +51,8 @@ def kha_config_from(ref: str | Path, knock: str | None, vocab_size: int) -> KHAC
         check_config_numbers(values, str(path))  # hostile sizes (10^9 layers) are refused before anything is built
         try:
             base = AutoConfig.from_pretrained(path)
-        except (OSError, ValueError, TypeError) as err:
-            raise KHAError(f"cannot read a model config from {path}: {err}") from err
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise KHAError(f"cannot read a model config from {path}: {' '.join(str(err).split())}") from err
     try:
         if isinstance(base, KHAConfig):
             if knock is not None:
@@ -75,6 +78,28 @@ def _read_json_config(path: Path) -> dict:
     if not isinstance(values, dict):
         raise KHAError(f"{path} is not a JSON object")
     return values
+
+
+def check_model_fits(config: KHAConfig, dtype) -> None:
+    """Count CONFIG's parameters on the meta device (nothing allocated) and refuse a model whose weights alone
+    would not fit in the memory free now (training needs about four times that: gradients, AdamW's two states)."""
+    import torch
+
+    from ..modeling.modeling_kha import KHAForCausalLM
+    from .corpus_data import available_memory
+
+    try:
+        with torch.device("meta"):
+            model = KHAForCausalLM._from_config(config, dtype=dtype)
+    except (ValueError, TypeError, RuntimeError) as err:
+        raise KHAError(f"cannot build a model of this config: {' '.join(str(err).split())[:300]}") from err
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = available_memory()
+    if free is not None and weights > free:
+        raise KHAError(
+            f"the config's model holds {weights / 2**30:.1f} GiB of weights, more than the {free / 2**30:.1f} GiB free "
+            "(training needs about four times its weights)"
+        )
 
 
 def model_from_config(config: KHAConfig, seed: int, dtype):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import TrainingArguments
+from transformers import TrainingArguments, default_data_collator
 
 from ..common.checkpoint import open_checkpoint
 from ..common.errors import KHAError
@@ -35,7 +35,7 @@ from .corpus_data import (
     write_run_record,
 )
 from .data import read_documents, train_heldout_split
-from .from_config import is_config_ref, kha_config_from, model_from_config
+from .from_config import check_model_fits, is_config_ref, kha_config_from, model_from_config
 from .guards import (
     StopOnNonFiniteLoss,
     check_batches,
@@ -229,6 +229,7 @@ def train(
     )
     dtype = torch.bfloat16 if bf16 else torch.float32
     if from_config:
+        check_model_fits(config, dtype)  # a config of 10^12 parameters is refused before a byte is allocated
         model = model_from_config(config, seed, dtype)
     else:
         try:
@@ -237,7 +238,7 @@ def train(
             raise KHAError(f"cannot load a KHA model from {model_path}: {err}") from err
         check_positions(model.config, seq_len)
     if corpus is not None:
-        check_vocabulary_fits(corpus, model.config.get_text_config().vocab_size)
+        check_vocabulary_fits(corpus, model.config.get_text_config().vocab_size, train_set, heldout_set)
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
     check_lora_rank(model, lora_r, mode)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -251,6 +252,7 @@ def train(
             train_dataset=train_set,
             eval_dataset=heldout_set,
             processing_class=tokenizer,
+            data_collator=default_data_collator,  # blocks are all seq_len long: nothing to pad, no pad token needed
             callbacks=[CheckpointCodeCallback(), StopOnNonFiniteLoss()],
             knock_lr=knock_lr,
         )

@@ -313,3 +313,75 @@ def test_a_changed_source_is_refused(plays_dir, tokenizer_dir, tmp_path):
         open_corpus(tmp_path / "c").check_sources_unchanged()
     (src / "a.txt").unlink()  # a source that is gone: the corpus holds its text
     open_corpus(tmp_path / "c").check_sources_unchanged()
+
+
+def test_text_without_spaces_is_cut_into_pieces(tokenizer_dir, tmp_path):
+    """Text with no word boundary (Chinese, a blob) reaches the tokenizer in pieces of about PIECE_BYTES, never in
+    one (a tokenizer holds ~200 bytes a token while it encodes: 16 MiB of it took 3.5 GB, found by review)."""
+    src = tmp_path / "blob.txt"
+    src.write_text("日本語" * 800_000)  # 7.2 MB, no space
+    source = sources_module.resolve_sources([str(src)])[0]
+    sizes = [len(p.text.encode()) for p in sources_module.read_pieces(source)]
+    assert len(sizes) > 5 and max(sizes) <= sources_module.PIECE_BYTES + 4  # + a character carried over
+    assert sum(sizes) == src.stat().st_size
+
+
+def test_hostile_values_are_counted_not_crashed_on(tokenizer_dir, tmp_path, monkeypatch):
+    """A lone surrogate in JSON ("\\ud800") is no text (it was a TypeError traceback); a Parquet value past the
+    line limit is skipped without its Python copy being made; an empty source name and a file named twice are
+    refused."""
+    monkeypatch.setattr(sources_module, "MAX_JSON_LINE", 1000)
+    (tmp_path / "s.jsonl").write_text('{"text": "\\ud800 hello"}\n{"text": "fine words here"}\n')
+    (tmp_path / "big.parquet").write_bytes(_parquet([{"text": "y" * 5000}, {"text": "short text"}]))
+    manifest = tokenize_corpus(
+        [str(tmp_path / "s.jsonl"), str(tmp_path / "big.parquet")], tokenizer_dir, tmp_path / "c", workers=1,
+        disable_tqdm=True, eval_fraction=0.2,
+    )  # fmt: skip
+    assert manifest["skipped"]["undecodable"] == 1 and manifest["skipped"]["too_long"] == 1
+    assert manifest["documents"] == 2
+    with pytest.raises(KHAError, match="empty source name"):
+        tokenize_corpus([""], tokenizer_dir, tmp_path / "d", workers=1, disable_tqdm=True)
+    with pytest.raises(KHAError, match="named twice"):
+        tokenize_corpus([str(tmp_path), str(tmp_path / "s.jsonl")], tokenizer_dir, tmp_path / "e", workers=1)
+
+
+def test_a_malformed_tokenizer_is_one_line(plays_dir, tmp_path):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": 5}}')
+    proc = kha("tokenize", plays_dir, "--tokenizer", tmp_path / "tok", "--output", tmp_path / "c")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("kha tokenize: error: cannot load a tokenizer")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"dtype": ["uint16"]},
+        {"sources": ["a", "b"]},
+        {"sources": [{"name": None, "kind": "file", "bytes": 1}]},
+        {"sources": [{"name": 0, "kind": "file", "bytes": 1, "mtime_ns": 1}]},
+        {"sources": [{"name": "x", "kind": "file"}]},
+        {"max_token_id": "511"},
+        {"tokenizer": {"size": "512"}},
+    ],
+)
+def test_a_manifest_of_the_wrong_shape_is_refused(change, plays_dir, tokenizer_dir, tmp_path):
+    tokenize_corpus([str(plays_dir)], tokenizer_dir, tmp_path / "c", workers=1, disable_tqdm=True)
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps({**manifest, **change}))
+    with pytest.raises(KHAError):
+        open_corpus(tmp_path / "c")
+
+
+def test_ids_past_the_vocabulary_are_refused_as_blocks_are_read(plays_dir, tokenizer_dir, tmp_path):
+    """A manifest that understates its largest id: each block is checked against the model's vocabulary as read."""
+    tokenize_corpus([str(plays_dir)], tokenizer_dir, tmp_path / "c", workers=1, disable_tqdm=True)
+    tokens = np.fromfile(tmp_path / "c" / "tokens.bin", dtype=np.uint16)
+    tokens[100] = 60000
+    tokens.tofile(tmp_path / "c" / "tokens.bin")
+    blocks = open_corpus(tmp_path / "c").blocks("train", 64)
+    blocks[1]  # read before the limit is known
+    blocks.id_limit = 512
+    blocks[0]
+    with pytest.raises(KHAError, match="token id 60000 .* past the model's vocabulary of 512"):
+        blocks[1]

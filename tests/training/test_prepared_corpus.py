@@ -1,6 +1,7 @@
 """`kha train` and `kha ab` on a prepared corpus: the blocks it reads and the order it reads them in, a model from a
 preset or config, and the bad input refused in one line (exit 2) before anything is trained or written."""
 
+import copy
 import json
 import os
 import subprocess
@@ -141,10 +142,10 @@ def test_raw_text_that_would_not_fit_names_kha_tokenize(corpus, monkeypatch):
     from kha_hf.training import corpus_data
 
     data, _ = corpus
-    monkeypatch.setattr(corpus_data, "_available_memory", lambda: 1 << 20)  # 1 MiB free
+    monkeypatch.setattr(corpus_data, "available_memory", lambda: 1 << 20)  # 1 MiB free
     with pytest.raises(KHAError, match="prepare it once with kha tokenize"):
         corpus_data.check_raw_data_fits([str(data)])
-    monkeypatch.setattr(corpus_data, "_available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(corpus_data, "available_memory", lambda: 1 << 40)
     corpus_data.check_raw_data_fits([str(data)])
 
 
@@ -167,3 +168,42 @@ def test_a_hub_dataset_is_streamed(corpus, tmp_path, monkeypatch):
     assert manifest["sources"][0]["kind"] == "hub"
     ids = np.fromfile(tmp_path / "c" / "tokens.bin", dtype=np.uint16)
     assert (ids == tokenizer.eos_token_id).sum() == 2
+
+
+def test_a_tokenizer_without_a_pad_token_trains(corpus, tmp_path):
+    """Blocks are all seq_len long: nothing is padded, so a tokenizer without a pad token trains (the padding
+    collator refused it with a traceback)."""
+    data, tokenizer = corpus
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path / "tok")
+    tokenize_corpus([str(data)], tmp_path / "tok", tmp_path / "c", workers=1, disable_tqdm=True)
+    proc = kha("train", "cpu-tiny", "--mode", "full", "--data", tmp_path / "c", "--max-steps", "1", "--seq-len", "32",
+               "--batch-size", "2", "--output", tmp_path / "run")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_too_large_a_config_and_a_preset_shadowed_by_a_folder_are_refused(prepared, tmp_path):
+    from kha_hf.training.ab_presets import AB_PRESETS
+
+    config = AB_PRESETS["cpu-tiny"].config().to_dict()
+    config.update(hidden_size=8192, intermediate_size=200_000, num_attention_heads=64, head_dim=128)
+    (tmp_path / "big.json").write_text(json.dumps(config))
+    proc = kha("train", tmp_path / "big.json", "--mode", "full", "--data", prepared, "--output", tmp_path / "r")
+    one_line_error(proc, "train", "GiB of weights, more than the")
+    (tmp_path / "cpu-tiny").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kha_hf", "train", "cpu-tiny", "--mode", "full", "--data", str(prepared), "--output",
+         str(tmp_path / "r")], capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    one_line_error(proc, "train", "is a preset and also a path here")
+
+
+def test_a_run_record_that_is_not_a_file_is_refused_on_resume(prepared, tmp_path):
+    out = tmp_path / "run"
+    base = ["train", "cpu-tiny", "--mode", "full", "--data", prepared, "--max-steps", "2", "--save-steps", "1",
+            "--seq-len", "32", "--batch-size", "2", "--output", out]  # fmt: skip
+    assert kha(*base).returncode == 0
+    (out / "kha_data.json").unlink()
+    (out / "kha_data.json").symlink_to("/dev/zero")
+    one_line_error(kha(*base, "--resume"), "train", "is not a regular file")
