@@ -127,9 +127,11 @@ def tokenize_corpus(
             tok.save_pretrained(out / TOKENIZER_DIR)
         except Exception as err:  # tokenizers' Rust writer raises a bare Exception ("File too large (os error 27)")
             raise KHAError(f"cannot write the tokenizer into {final}: {err}") from err
+        started = time.perf_counter()
         written, max_id, digest = _write_tokens(
             resolved, out, tok.eos_token_id, dtype_name, workers, hub_split, disable_tqdm
         )
+        seconds = time.perf_counter() - started
         n_eval = min(max_eval_tokens, int(written * eval_fraction))
         if n_eval < 1 or written - 2 * n_eval < 1:
             raise KHAError(f"the sources hold {written} tokens: too few for a validation and a held-out split")
@@ -153,6 +155,8 @@ def tokenize_corpus(
         }
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")  # written last
     _report(manifest, final)
+    rate = f"{written / seconds:,.0f}"
+    print(f"tokenized at {rate} tokens/s with {workers} worker(s) ({seconds:.1f} s, their start included)")
     return manifest
 
 
