@@ -67,6 +67,19 @@ def knock_decays(model: nn.Module, optimizer) -> set[float]:
     return set()
 
 
+def engine_name(accelerator) -> str:
+    """The engine accelerate actually runs, in words: what a config asked for is not always what runs (accelerate
+    1.16 sets FSDP only for GPU-type runs: on CPUs an FSDP config trains with DDP)."""
+    kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))
+    state = accelerator.state
+    if kind == "DEEPSPEED":
+        return f"DeepSpeed ZeRO-{state.deepspeed_plugin.zero_stage}"
+    if kind == "FSDP":
+        plugin = state.fsdp_plugin
+        return f"FSDP{plugin.fsdp_version} ({getattr(plugin.state_dict_type, 'name', plugin.state_dict_type)})"
+    return {"MULTI_CPU": "DDP (CPU)", "MULTI_GPU": "DDP", "NO": "one process"}.get(kind, kind)
+
+
 class StartCheck(TrainerCallback):
     """At the first step of a new run, every rank reports its knocks' start and their weight decay; the main
     process prints one line: `knocks at the start: identity on all N ranks; weight decay on knocks: [0.0]`.
@@ -95,5 +108,6 @@ class StartCheck(TrainerCallback):
             start = "identity" if max(errors) == 0 else f"trained (max |W - start| {max(errors):.3g})"
             decays = {tuple(r[1]) for r in reports if r[1] is not None}
             decay = ", ".join(str(list(d)) for d in sorted(decays)) if decays else "not known"
+            print(f"engine: {engine_name(self.trainer.accelerator)} on {len(reports)} process(es)")
             print(f"knocks at the start: {start} on all {len(reports)} ranks; weight decay on knocks: {decay}")
         return control

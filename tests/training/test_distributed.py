@@ -1,5 +1,6 @@
-"""`kha train` in two CPU processes through accelerate (gloo): DDP and FSDP2 runs match a one-process run with the
-same global batch, every rank ends with the same knocks, and the saved checkpoint loads with from_pretrained.
+"""`kha train` in two processes through accelerate (gloo on CPUs): DDP runs (and FSDP2 runs, on a GPU machine: on
+CPUs accelerate 1.16 trains an FSDP config with DDP) match a one-process run with the same global batch, every rank
+ends with the same knocks, and the saved checkpoint loads with from_pretrained.
 
 accelerate 1.x starts a single process for `accelerate launch --cpu --num_processes 2` (its multi-CPU mode needs
 mpirun); `--multi_gpu` on a machine without GPUs starts torch.distributed's launcher, and the processes use gloo.
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from kha_hf import KHAForCausalLM
 from tests.helpers import free_port
+from tests.training.engines import NEEDS_GPU
 
 TOLERANCE = 1e-4  # per logged loss: the same batches, reduced in another order
 FSDP_CONFIG = """compute_environment: LOCAL_MACHINE
@@ -48,7 +50,7 @@ def losses(out) -> list[float]:
     return [h["loss"] for h in state["log_history"] if "loss" in h]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=NEEDS_GPU)])
 def test_two_processes_match_one(corpus, kha_dir, tmp_path, strategy):
     data, _ = corpus
     mode = "knocks" if strategy == "ddp" else "full"
@@ -64,6 +66,8 @@ def test_two_processes_match_one(corpus, kha_dir, tmp_path, strategy):
     two = kha_train([*common, "--output", str(tmp_path / "two"), "--batch-size", "2"], launch, tmp_path)
 
     assert "knocks identical on all 2 ranks" in two.stdout
+    engine = "FSDP2 (FULL_STATE_DICT)" if strategy == "fsdp" else ("DDP" if torch.cuda.is_available() else "DDP (CPU)")
+    assert f"engine: {engine} on 2 process(es)" in two.stdout
     one_losses, two_losses = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(one_losses) == len(two_losses) == 4
     assert max(abs(a - b) for a, b in zip(one_losses, two_losses, strict=True)) < TOLERANCE, (one_losses, two_losses)

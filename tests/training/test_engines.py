@@ -1,5 +1,6 @@
-"""`kha train` on the engines users scale on, each with its shipped accelerate config on 2 CPU processes (gloo):
-DDP, FSDP2 (full and sharded state dicts), DeepSpeed ZeRO-2 and ZeRO-3. From a config (new weights) and from a
+"""`kha train` on the engines users scale on, each with its shipped accelerate config on 2 processes (gloo on CPUs):
+DDP, FSDP2 (full and sharded state dicts: on a GPU machine only, see engines.NEEDS_GPU), DeepSpeed ZeRO-2 and ZeRO-3;
+each run must say it ran the engine its config names. From a config (new weights) and from a
 converted checkpoint; the knocks start at the identity and are never decayed on any rank; the final save loads
 with from_pretrained and gives the trained model's held-out loss.
 
@@ -13,7 +14,7 @@ import json
 
 import pytest
 
-from tests.training.engines import CONFIGS, ENGINES, RUN, heldout_loss, kha_train, logged_losses
+from tests.training.engines import CONFIGS, ENGINES, EXPECTED, NEEDS_GPU, RUN, heldout_loss, kha_train, logged_losses
 
 TOLERANCE = 1e-4  # per logged loss: the same batches, reduced in another order
 
@@ -64,6 +65,7 @@ def test_from_a_config(engine, prepared, one_process, tmp_path):
         engine,
         tmp_path,
     )
+    assert f"engine: {EXPECTED[engine]} on 2 process(es)" in proc.stdout  # what ran is what the config asked for
     assert "knocks at the start: identity on all 2 ranks; weight decay on knocks: [0.0]" in proc.stdout
     losses = logged_losses(out)
     assert sorted(losses) == [1, 2, 3, 4]
@@ -84,6 +86,7 @@ def test_from_a_converted_checkpoint(engine, prepared, kha_dir, tmp_path):
         engine,
         tmp_path,
     )
+    assert f"engine: {EXPECTED[engine]} on 2 process(es)" in proc.stdout
     # kha_dir's knocks were trained briefly: they start where it left them, still never decayed
     assert "on all 2 ranks; weight decay on knocks: [0.0]" in proc.stdout
     reported = json.loads((out / "eval_results.json").read_text())["eval_loss"]
@@ -108,6 +111,7 @@ def converted(corpus, tmp_path_factory):
     return root / "kha"
 
 
+@NEEDS_GPU
 def test_fsdp2_meta_device_build(converted, prepared, tmp_path):
     """With fsdp_cpu_ram_efficient_loading (what large models need), transformers loads the checkpoint on rank 0 and
     builds it on the meta device elsewhere, and accelerate sends rank 0's weights out: the knocks start at the
@@ -124,6 +128,7 @@ def test_fsdp2_meta_device_build(converted, prepared, tmp_path):
             config_file,
             tmp_path,
         )  # fmt: skip
+        assert "engine: FSDP2 (FULL_STATE_DICT) on 2 process(es)" in proc.stdout
         assert "knocks at the start: identity on all 2 ranks; weight decay on knocks: [0.0]" in proc.stdout
         losses[name] = logged_losses(out)
     assert max(abs(losses["meta"][s] - losses["full"][s]) for s in losses["full"]) < 1e-6, losses

@@ -1,6 +1,7 @@
 """`kill -9` a `kha train` run on a prepared corpus, then `--resume` it: it continues from its last checkpoint at the
 exact data position (no block repeated, none skipped), and every logged loss equals an uninterrupted run's within
-1e-5 (CPU, float32), on 1 process, on 2 (DDP) and on the sharding engines (FSDP2 sharded state dict, ZeRO-3).
+1e-5 (CPU, float32), on 1 process, on 2 (DDP) and on the sharding engines (ZeRO-2, ZeRO-3; FSDP2 with a sharded
+state dict on a GPU machine only).
 `--resume` with another seed or another corpus than the run it resumes is refused in one line."""
 
 import os
@@ -12,7 +13,7 @@ import psutil
 import pytest
 
 from kha_hf.data.prepare import tokenize_corpus
-from tests.training.engines import RUN, kha_env, kha_train, launcher, logged_losses
+from tests.training.engines import EXPECTED, RUN, engines, kha_env, kha_train, launcher, logged_losses
 
 TOLERANCE = 1e-5
 STEPS, SAVE = 60, 20
@@ -56,7 +57,7 @@ def kill_after_first_checkpoint(command: list, tmp_path, out) -> None:
     assert not out.exists(), "the run finished before it was killed"
 
 
-@pytest.mark.parametrize("engine", [None, "ddp", "fsdp2-sharded", "zero3"])
+@pytest.mark.parametrize("engine", [None, *engines("ddp", "fsdp2-sharded", "zero2", "zero3")])
 def test_a_killed_run_resumes_exactly(engine, prepared, tmp_path):
     processes = 1 if engine is None else 2
     full = tmp_path / "full"
@@ -67,6 +68,8 @@ def test_a_killed_run_resumes_exactly(engine, prepared, tmp_path):
     )
     proc = kha_train([*args(prepared, killed, processes), "--resume"], engine, tmp_path)
     assert "resuming the interrupted run" in proc.stdout
+    if engine is not None:
+        assert f"engine: {EXPECTED[engine]} on 2 process(es)" in proc.stdout
     expected, resumed = logged_losses(full), logged_losses(killed)
     assert sorted(resumed) == list(range(1, STEPS + 1))  # every step logged once: none repeated, none skipped
     worst = max(abs(resumed[s] - expected[s]) for s in expected)
