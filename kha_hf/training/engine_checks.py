@@ -96,7 +96,9 @@ class StartCheck(TrainerCallback):
         model, optimizer = self.trainer.model, self.trainer.optimizer
         if model is None or state.global_step != 0:
             return control
-        if not any(isinstance(m, KnockLinear) for m in model.modules()):
+        if not any(isinstance(m, KnockLinear) for m in model.modules()):  # a baseline arm: the engine only
+            if state.is_world_process_zero:
+                print(f"engine: {engine_name(self.trainer.accelerator)} on {args.world_size} process(es)")
             return control
         report = (knock_start_error(model), sorted(knock_decays(model, optimizer)) if optimizer is not None else None)
         reports = [report]
