@@ -5,9 +5,9 @@ identity knocks) for the same steps on the same blocks, each in a fresh `acceler
 the order of the two alternating between rounds. A round's ratio is KHA's tokens/s over the baseline's in that
 round; the table gives their geometric mean and the smallest and largest round, and names the engine that ran.
 
-    python benchmarks/distributed_throughput.py                 # CPU: 2 processes (gloo), cpu-tiny, fp32, 3 rounds, DDP
-    python benchmarks/distributed_throughput.py --quick         # 1 round of 4 steps
-    python benchmarks/distributed_throughput.py --gpu           # a GPU machine: FSDP2, 1 process per GPU, gpu-small, bf16
+    python benchmarks/distributed_throughput.py          # CPU: 2 processes (gloo), cpu-tiny, fp32, 3 rounds, DDP
+    python benchmarks/distributed_throughput.py --quick  # 1 round of 4 steps
+    python benchmarks/distributed_throughput.py --gpu    # a GPU machine: FSDP2, 1 process per GPU, gpu-small, bf16
 
 On CPUs the run is DDP: accelerate 1.16 applies an FSDP config only to GPU-type runs (on CPUs it trains with DDP),
 so FSDP2's ratio needs a GPU. --gpu is the script for the device machine: FSDP2 with bf16 mixed precision, both

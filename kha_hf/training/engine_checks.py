@@ -81,7 +81,8 @@ def engine_name(accelerator) -> str:
 
 
 class StartCheck(TrainerCallback):
-    """At the first step of a new run, every rank reports its knocks' start and their weight decay; the main
+    """At every start the main process prints the engine that runs (`engine: DeepSpeed ZeRO-3 on 2 process(es)`);
+    at the first step of a new run every rank also reports its knocks' start and their weight decay, and the main
     process prints one line: `knocks at the start: identity on all N ranks; weight decay on knocks: [0.0]`.
 
     It holds its trainer: Trainer hands callbacks the optimizer it had when it was built (None), not the one it
@@ -94,11 +95,11 @@ class StartCheck(TrainerCallback):
         import torch.distributed as dist
 
         model, optimizer = self.trainer.model, self.trainer.optimizer
-        if model is None or state.global_step != 0:
+        if state.is_world_process_zero:  # on every start, a resumed one too
+            print(f"engine: {engine_name(self.trainer.accelerator)} on {args.world_size} process(es)")
+        if model is None or state.global_step != 0:  # a resumed run's knocks have trained: no start to check
             return control
-        if not any(isinstance(m, KnockLinear) for m in model.modules()):  # a baseline arm: the engine only
-            if state.is_world_process_zero:
-                print(f"engine: {engine_name(self.trainer.accelerator)} on {args.world_size} process(es)")
+        if not any(isinstance(m, KnockLinear) for m in model.modules()):  # a baseline arm: nothing to check
             return control
         report = (knock_start_error(model), sorted(knock_decays(model, optimizer)) if optimizer is not None else None)
         reports = [report]
@@ -110,6 +111,5 @@ class StartCheck(TrainerCallback):
             start = "identity" if max(errors) == 0 else f"trained (max |W - start| {max(errors):.3g})"
             decays = {tuple(r[1]) for r in reports if r[1] is not None}
             decay = ", ".join(str(list(d)) for d in sorted(decays)) if decays else "not known"
-            print(f"engine: {engine_name(self.trainer.accelerator)} on {len(reports)} process(es)")
             print(f"knocks at the start: {start} on all {len(reports)} ranks; weight decay on knocks: {decay}")
         return control

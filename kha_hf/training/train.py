@@ -202,6 +202,9 @@ def train(
     if from_config:
         config = kha_config_from(model_path, knock, len(tokenizer))
         check_positions(config, seq_len)
+        # counted on the meta device before the training arguments exist: under ZeRO-3 they make every model build
+        # partitioned (deepspeed.zero.Init), the meta device's included
+        check_model_fits(config, torch.bfloat16 if bf16 else torch.float32)
     elif Path(model_path).is_dir():  # a Hub id is checked once loaded
         check_positions(open_checkpoint(model_path).config, seq_len)
     if corpus is not None:
@@ -229,7 +232,6 @@ def train(
     )
     dtype = torch.bfloat16 if bf16 else torch.float32
     if from_config:
-        check_model_fits(config, dtype)  # a config of 10^12 parameters is refused before a byte is allocated
         model = model_from_config(config, seed, dtype)
     else:
         try:
