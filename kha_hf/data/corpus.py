@@ -21,6 +21,7 @@ is not the process's memory).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -55,16 +56,11 @@ class PreparedCorpus:
     manifest: dict
     dtype: np.dtype
     splits: dict[str, tuple[int, int]]  # split -> (first token, end token)
+    manifest_sha256: str  # of the manifest's bytes as read: what a resumed run checks it trains on
 
     @property
     def tokens(self) -> int:
         return self.manifest["tokens"]
-
-    @property
-    def manifest_sha256(self) -> str:
-        import hashlib
-
-        return hashlib.sha256((self.folder / MANIFEST).read_bytes()).hexdigest()
 
     def check_tokenizer(self, tokenizer, what: str = "the model's tokenizer") -> None:
         """One-line refusal when TOKENIZER is not the one that prepared the corpus."""
@@ -114,8 +110,9 @@ def open_corpus(folder: str | Path) -> PreparedCorpus:
         raise KHAError(f"{folder} is not a prepared corpus (no {MANIFEST}): make one with kha tokenize")
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise KHAError(f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB: not a manifest kha tokenize wrote")
+    raw = path.read_bytes()  # read once: parsed and hashed from the same bytes
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise KHAError(f"{path} is not valid JSON: {err}") from err
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -136,7 +133,7 @@ def open_corpus(folder: str | Path) -> PreparedCorpus:
         )
     splits = _checked_splits(path, manifest.get("splits"), tokens)
     _check_records(path, manifest)
-    return PreparedCorpus(folder, manifest, dtype, splits)
+    return PreparedCorpus(folder, manifest, dtype, splits, hashlib.sha256(raw).hexdigest())
 
 
 def _is_int(value) -> bool:

@@ -87,8 +87,9 @@ def check_positions(config, seq_len: int) -> None:
         raise KHAError(f"--seq-len {seq_len} is past the model's {positions} positions (max_position_embeddings)")
 
 
-def check_trainable_config(folder: Path) -> None:
-    """A local MODEL must be a KHA checkpoint or a base checkpoint of a supported family."""
+def check_trainable_config(folder: Path):
+    """A local MODEL must be a KHA checkpoint or a base checkpoint of a supported family; returns the opened,
+    checked `Checkpoint`."""
     checkpoint = open_checkpoint(folder)
     if checkpoint.config is None:
         raise KHAError(f"{folder} has no readable config.json: not a transformers checkpoint folder")
@@ -100,6 +101,7 @@ def check_trainable_config(folder: Path) -> None:
         )
     checkpoint.check_not_task_head()  # a reward model trained as a causal LM would get a random lm_head
     checkpoint.check()
+    return checkpoint
 
 
 def paper_training_arguments(output_dir: Path, **overrides) -> TrainingArguments:
@@ -173,10 +175,11 @@ def train(
         raise KHAError("--knock applies when MODEL is a config or a preset; a checkpoint keeps its own knocks")
     if not from_config:
         check_model_ref(model_path)
+    local_checkpoint = None  # MODEL's folder, opened and checked once
     if Path(model_path).exists():  # adapters record their base model's path: make it absolute
         model_path = Path(model_path).resolve()
         if not from_config:
-            check_trainable_config(model_path)
+            local_checkpoint = check_trainable_config(model_path)
     corpus = prepared_corpus(data)  # a prepared corpus is opened and checked here, before anything else
     if corpus is None:
         check_raw_data_fits(data)  # raw text that would not fit in memory: refused, naming kha tokenize
@@ -199,14 +202,15 @@ def train(
         tokenizer = load_tokenizer(tokenizer or corpus.folder / TOKENIZER_DIR, None, offer_trust=False)
     else:
         tokenizer = load_tokenizer(model_path, tokenizer, offer_trust=False)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     if from_config:
         config = kha_config_from(model_path, knock, len(tokenizer))
         check_positions(config, seq_len)
         # counted on the meta device before the training arguments exist: under ZeRO-3 they make every model build
         # partitioned (deepspeed.zero.Init), the meta device's included
-        check_model_fits(config, torch.bfloat16 if bf16 else torch.float32)
-    elif Path(model_path).is_dir():  # a Hub id is checked once loaded
-        check_positions(open_checkpoint(model_path).config, seq_len)
+        check_model_fits(config, dtype)
+    elif local_checkpoint is not None:  # a Hub id is checked once loaded
+        check_positions(local_checkpoint.config, seq_len)
     if corpus is not None:
         train_set, heldout_set = corpus_splits(corpus, tokenizer, seq_len, max_eval_blocks)
     else:
@@ -230,7 +234,6 @@ def train(
         report_to=report_to,
         disable_tqdm=disable_tqdm,
     )
-    dtype = torch.bfloat16 if bf16 else torch.float32
     if from_config:
         model = model_from_config(config, seed, dtype)
     else:
