@@ -17,7 +17,6 @@ Adapter keys, as `KnockModel.save_pretrained` writes them (the adapter's name st
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from safetensors import safe_open
 from ..common.errors import KHAError
 from ..common.paths import check_source_links
 from ..common.safetensors_index import read_header
+from ..common.text_files import read_json_object
 from ..conversion.converter import TrainedKnocks
 from .config import KNOCK_PEFT_TYPE, KnockConfig
 
@@ -41,14 +41,7 @@ def read_adapter_config(folder: Path) -> KnockConfig:
     path = folder / ADAPTER_CONFIG
     if not path.is_file():
         raise KHAError(f"{folder} is not a PEFT adapter folder: it has no {ADAPTER_CONFIG}")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise KHAError(f"{path} is larger than an adapter config can be ({path.stat().st_size} bytes)")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise KHAError(f"{path} is not valid JSON: {str(err)[:200]}") from None
-    if not isinstance(raw, dict):
-        raise KHAError(f"{path} must hold a JSON object")
+    raw = read_json_object(path, MAX_CONFIG_BYTES)
     if raw.get("peft_type") != KNOCK_PEFT_TYPE:
         raise KHAError(
             f"{path}: peft_type {raw.get('peft_type')!r} is not a knock adapter ({KNOCK_PEFT_TYPE}); only knock "

@@ -28,7 +28,7 @@ import peft.utils
 import peft.utils.save_and_load
 
 from .config import KNOCK_PEFT_TYPE
-from .model import REMAP_HOOK, KnockModel, check_knock_state_dict
+from .model import REMAP_HOOK, KnockModel, check_knock_state_dict, saved_module_keys
 
 # the modules whose global name peft's own code (and transformers' peft integration, `from peft import ...` at call
 # time) looks these functions up under
@@ -62,7 +62,8 @@ def _loading(original: Callable) -> Callable:
                 key.replace(".knock_sets.", f".knock_sets.{adapter_name}.", 1): tensor
                 for key, tensor in peft_model_state_dict.items()
             }
-            check_knock_state_dict(model.state_dict(), given, model.peft_config[adapter_name], adapter_name)
+            saved = saved_module_keys(model, adapter_name, in_file=True)  # peft 0.20 translates them after this
+            check_knock_state_dict(model.state_dict(), given, adapter_name, saved)
         return original(model, peft_model_state_dict, adapter_name, *args, **kwargs)
 
     set_peft_model_state_dict._kha_compat = True

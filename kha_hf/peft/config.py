@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from peft.config import PeftConfig
@@ -138,6 +139,17 @@ class KnockConfig(PeftConfig):
             raise ValueError("KnockConfig: base_model_type must be a model type name")
         if not self.knock_types:
             raise ValueError("KnockConfig: every knock type is 'none': the adapter would do nothing")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs):
+        """As peft's, and a local folder read is kept as `loaded_from` (not saved: not a field), so that the tuner
+        can check the folder's weights file against the model before peft reads it (`check_file_saves_its_modules`)."""
+        config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        folder = Path(str(pretrained_model_name_or_path)).expanduser()
+        folder = folder / subfolder if subfolder else folder
+        if folder.is_dir():
+            config.loaded_from = folder
+        return config
 
     @property
     def knock_types(self) -> dict[str, str]:

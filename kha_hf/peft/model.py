@@ -41,34 +41,40 @@ REMAP_HOOK = hasattr(BaseTuner, "_remap_adapter_state_dict_for_load")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.[^.]+\.([^.]+)$")  # ...layers.<i>.<attention>.<projection>
 
 
-def saved_module_tensor(key: str, config: KnockConfig, adapter_name: str) -> bool:
-    """True when KEY (`base_model.model.lm_head.modules_to_save.<ADAPTER_NAME>.weight`, as peft has renamed it by
-    then) is a tensor of a module that CONFIG's modules_to_save names, matched as peft matches them (the module's
-    name ends with the entry). The wrapped module is what stands before `.modules_to_save.`: its tensors may sit in
-    sub-modules (`mlp` saves `mlp.modules_to_save.<ADAPTER_NAME>.down_proj.weight`)."""
-    # peft 0.20's names (kha_hf.peft.compat) have no marker: either way the wrapped module is one of the key's parents
-    parts = key.replace(f".modules_to_save.{adapter_name}.", ".").split(".")[:-1]
-    modules = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-    return any(name and module.endswith(name) for module in modules for name in config.modules_to_save or ())
+def saved_module_keys(model: nn.Module, adapter_name: str, *, in_file: bool) -> set[str]:
+    """The keys of ADAPTER_NAME's own copies of its modules_to_save (peft's wrappers, `AuxiliaryTrainingWrapper`), as
+    peft maps them (`adapter_state_dict_load_map`, peft 0.20 and 0.21): as the model names them
+    (`base_model.model.lm_head.modules_to_save.<ADAPTER_NAME>.weight`) or, IN_FILE, as the file holds them
+    (`base_model.model.lm_head.weight`). Nothing else of a wrapper is the adapter's: not `original_module` (the base
+    model's own module), not `base_layer`, not another adapter's copy."""
+    keys = set()
+    for name, module in model.named_modules():
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            for stored, loaded in module.adapter_state_dict_load_map(adapter_name).items():
+                keys.add(f"{name}.{stored if in_file else loaded}")
+    return keys
 
 
 def check_knock_state_dict(
-    model_state: dict[str, torch.Tensor], given_state: dict[str, torch.Tensor], config: KnockConfig, adapter_name: str
+    model_state: dict[str, torch.Tensor],
+    given_state: dict[str, torch.Tensor],
+    adapter_name: str,
+    saved_modules: set[str],
 ) -> None:
-    """ValueError (one line) unless GIVEN_STATE (an adapter file's tensors, under the model's names with the adapter
-    name in them) holds exactly ADAPTER_NAME's knocks of MODEL_STATE, finite floating point of the same shapes, plus
-    only tensors of modules that CONFIG's modules_to_save names."""
+    """ValueError (one line) unless GIVEN_STATE (an adapter file's tensors, its knocks under the model's names with the
+    adapter name in them) holds exactly ADAPTER_NAME's knocks of MODEL_STATE, finite floating point of the same shapes,
+    plus only keys of SAVED_MODULES (`saved_module_keys`: this adapter's own copies of its modules_to_save)."""
     expected = {key: t for key, t in model_state.items() if f".knock_sets.{adapter_name}." in key}
     given = {key: tensor for key, tensor in given_state.items() if ".knock_sets." in key}
-    # Anything else must belong to a module the adapter's modules_to_save names: peft loads the rest into the
-    # base model as it stands (strict=False), so one extra `lm_head.weight` would replace the base's weights.
-    others = sorted(
-        key for key in given_state if key not in given and not saved_module_tensor(key, config, adapter_name)
-    )
+    # Anything else must be exactly a key peft maps to this adapter's own copy of a module: peft loads the rest into
+    # the model as it stands (strict=False), so one extra `lm_head.weight`, `lm_head.original_module.weight` or
+    # `lm_head.modules_to_save.<another adapter>.weight` would replace the base model's weights, or a neighbour's.
+    others = sorted(key for key in given_state if key not in given and key not in saved_modules)
     if others:
         raise ValueError(
-            f"knock adapter {adapter_name!r} holds {len(others)} tensors that are neither knocks nor of a module "
-            f"its modules_to_save names: {others[:2]} (they would replace the base model's weights)"
+            f"knock adapter {adapter_name!r} holds {len(others)} tensors that are neither knocks nor its own copies of "
+            f"the modules its modules_to_save names: {others[:2]} (they would replace the base model's weights or "
+            "another adapter's)"
         )
     for key, tensor in given_state.items():  # the modules_to_save tensors too: NaN there made every logit NaN
         # .float(): torch.isfinite has no float8 kernel
@@ -236,12 +242,51 @@ def check_modules_to_save(model: nn.Module, config: KnockConfig, knocked: Iterab
                 )
 
 
+def check_file_saves_its_modules(model: nn.Module, config: KnockConfig) -> None:
+    """ValueError (one line) when CONFIG was read from a local adapter folder (`KnockConfig.from_pretrained`) whose
+    adapter_model.safetensors lacks a tensor of a module its modules_to_save names in MODEL: peft 0.21 would fail
+    later with a bare `KeyError: 'base_model.model.lm_head.weight'`. Runs before any weight is read."""
+    folder = getattr(config, "loaded_from", None)
+    path = None if folder is None else folder / "adapter_model.safetensors"
+    if not config.modules_to_save or path is None or not path.is_file():
+        return
+    from ..common.safetensors_index import read_header
+
+    held = set(read_header(path))
+    for name, module in model.named_modules(remove_duplicate=False):
+        if any(p in f".{name}." for p in _WRAPPER_PARTS):
+            continue
+        if any(entry and name.endswith(entry) for entry in config.modules_to_save):
+            if isinstance(module, AuxiliaryTrainingWrapper):  # another adapter's copy: the file holds the module's own
+                module = getattr(module, "original_module", module)
+            missing = [f"base_model.model.{name}.{key}" for key in module.state_dict()]
+            missing = [key for key in missing if key not in held]
+            if missing:
+                raise ValueError(
+                    f"{path} has no tensor {missing[0]} of {name}, a module its modules_to_save names (saved by "
+                    "another model, or cut short)"
+                )
+
+
 class KnockModel(BaseTuner):
     """Knock adapters on a stock transformers model (see `KnockConfig`); built by `peft.get_peft_model`."""
 
     prefix: str = "knock_"
     tuner_layer_cls = KnockLayer
     target_module_mapping: dict = {}
+
+    def __init__(self, model: nn.Module, config: Any, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        # PeftModel (get_peft_model, PeftModel.from_pretrained) passes {adapter_name: config}, peft 0.20 and 0.21;
+        # peft's inject_adapter_in_model passes the config alone. transformers' `model.load_adapter(DIR)` and
+        # `model.add_adapter(config)` (5.16 to 5.25) go that way, then load the adapter file with their own loader,
+        # which no tuner hook sees: an extra `lm_head.weight` in the file replaced the base model's in silence.
+        if not isinstance(config, dict):
+            raise ValueError(
+                "knock adapters load through PEFT only: PeftModel.from_pretrained(model, DIR) (or get_peft_model), "
+                "not transformers' model.load_adapter / add_adapter or peft's inject_adapter_in_model, which load an "
+                "adapter file's tensors without kha's checks"
+            )
+        super().__init__(model, config, adapter_name, *args, **kwargs)
 
     def _post_injection_hook(self, model: nn.Module, config: KnockConfig, adapter_name: str) -> None:
         # Tags of the adapter's model card (peft reads the base model's): they name the package that provides the
@@ -254,6 +299,7 @@ class KnockModel(BaseTuner):
         placements = knock_placements(self.model, peft_config)
         every_adapter = {**getattr(self, "_knock_placements", {}), **placements}
         check_modules_to_save(self.model, peft_config, every_adapter)
+        check_file_saves_its_modules(self.model, peft_config)
         peft_config.base_model_type = self.model.config.model_type
         self._knock_placements = every_adapter
         peft_config.target_modules = "|".join(re.escape(name) for name in sorted(placements))
@@ -294,7 +340,8 @@ class KnockModel(BaseTuner):
         """As peft does, then refuse (one line, before any tensor is loaded) a file whose knocks are missing, extra,
         of other shapes, not floating point, or not finite: peft itself would load what fits and warn."""
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
-        check_knock_state_dict(model.state_dict(), remapped, config, adapter_name)
+        saved = saved_module_keys(model, adapter_name, in_file=False)  # peft has translated their keys by now
+        check_knock_state_dict(model.state_dict(), remapped, adapter_name, saved)
         return remapped
 
     @contextlib.contextmanager
