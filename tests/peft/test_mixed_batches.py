@@ -10,7 +10,7 @@ import torch
 from peft import get_peft_model
 
 from kha_hf import KnockConfig
-from tests.helpers import tiny_base_model
+from tests.helpers import assert_float_paths_agree, tiny_base_model
 from tests.peft.test_knock_adapter import IDS
 
 # Three adapters of three presets (linear on q/k/v; MLP on v and linear on q/k; linear on v only, so the k_proj of
@@ -112,7 +112,7 @@ def test_modules_to_save_follow_the_row_adapter_too():
     mixed = model(BATCH, adapter_names=["b", "a", "__base__", "b"]).logits
     for i, name in enumerate(["b", "a", "__base__", "b"]):
         expected = alone(model, name, lambda: model(BATCH).logits)
-        torch.testing.assert_close(mixed[i], expected[i], rtol=0, atol=1e-6, msg=f"row {i} ({name})")
+        assert_float_paths_agree(mixed[i], expected[i], what=f"row {i} ({name})")
 
 
 @torch.no_grad()
@@ -165,4 +165,4 @@ def test_modules_to_save_of_some_adapters_only():
     mixed = model(BATCH, adapter_names=names).logits
     for i, name in enumerate(names):
         expected = alone(model, name, lambda: model(BATCH).logits)
-        torch.testing.assert_close(mixed[i], expected[i], rtol=0, atol=1e-6, msg=f"row {i} ({name})")
+        assert_float_paths_agree(mixed[i], expected[i], what=f"row {i} ({name})")
