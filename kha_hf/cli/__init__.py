@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KHAError as err:
-        print(f"kha {args.command}: error: {err}", file=sys.stderr)
+        # one line whatever the message holds: a library's words (transformers' strict-dataclass errors) may not be
+        message = " ".join(str(err).split())
+        print(f"kha {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM/SIGHUP while writing a checkpoint
         print(f"kha {args.command}: {str(err) or 'interrupted'}", file=sys.stderr)

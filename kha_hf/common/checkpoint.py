@@ -26,6 +26,7 @@ from .checks import (
     check_head_weights,
     check_multimodal_weights,
     check_tensor_shapes,
+    check_tied_output,
     check_weights_match_config,
     kha_head_name,
     model_tensor_shapes,
@@ -170,6 +171,7 @@ class Checkpoint:
             check_attention_layout(built, tensors, where)
             base = built.to_base_config() if self.is_kha else built
             check_tensor_shapes(model_tensor_shapes(base, where), tensors, where)
+            check_tied_output(base, tensors, self.folder, where)
 
 
 def open_checkpoint(folder: str | Path, required: bool = False) -> Checkpoint:

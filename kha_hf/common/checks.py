@@ -224,6 +224,39 @@ def model_tensor_shapes(base, where: str) -> dict[str, tuple[int, ...]]:
     return expected
 
 
+TIED_ROWS = 4096  # rows compared at once: memory stays flat on any vocabulary
+
+
+def check_tied_output(config, tensors: dict[str, TensorInfo], folder, where: str) -> None:
+    """One-line KHAError when CONFIG ties the output to the embeddings (`tie_word_embeddings`) yet the weights hold an
+    `lm_head.weight` that differs from them: transformers unties and uses the stored head, vLLM and llama.cpp tie, so
+    one checkpoint would give other logits per engine. A stored head equal to the embeddings, bit for bit, is
+    accepted (compared TIED_ROWS rows at a time, from FOLDER's files)."""
+    from safetensors import safe_open
+
+    head = tensors.get("lm_head.weight")
+    if head is None or not getattr(config, "tie_word_embeddings", False):
+        return
+    embedding = next((name for name in tensors if name.endswith(".embed_tokens.weight")), None)
+    differs = embedding is None or tensors[embedding].shape != head.shape or tensors[embedding].dtype != head.dtype
+    if not differs:
+        with (
+            safe_open(str(folder / head.file), framework="pt") as h,
+            safe_open(str(folder / tensors[embedding].file), framework="pt") as e,
+        ):
+            rows_h, rows_e = h.get_slice("lm_head.weight"), e.get_slice(embedding)
+            for start in range(0, head.shape[0], TIED_ROWS):
+                if not torch.equal(rows_h[start : start + TIED_ROWS], rows_e[start : start + TIED_ROWS]):
+                    differs = True
+                    break
+    if differs:
+        raise KHAError(
+            f"{where} says tie_word_embeddings, yet the weights hold an lm_head.weight that differs from the "
+            "embeddings (transformers would use it, vLLM and llama.cpp the embeddings): set tie_word_embeddings to "
+            "false"
+        )
+
+
 def check_tensor_shapes(expected: dict[str, tuple[int, ...]], tensors: dict[str, TensorInfo], where: str) -> None:
     """Every tensor of TENSORS that the model has (EXPECTED, `model_tensor_shapes`) has its shape (input features,
     the embedding's and the output's rows, ...) and a floating-point dtype: transformers would stop on a size

@@ -71,7 +71,11 @@ def read_header(path: Path) -> dict[str, dict]:
         raise KHAError(f"corrupt safetensors file {path}: header nests too deeply") from None
     if not isinstance(header, dict):
         raise KHAError(f"corrupt safetensors file {path}: header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
+    # safetensors (0.4 to 0.7) refuses any other __metadata__ (a `{"format": {"pt": 1}}` passed here, and the
+    # converted checkpoint then loaded nowhere)
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise KHAError(f"corrupt safetensors file {path}: __metadata__ must map names to strings")
     spans = []
     for key, info in header.items():
         spans.append((*_check_entry(path, key, info), key))

@@ -29,6 +29,7 @@ from ..common.checks import (
     check_head_weights,
     check_knocks_fit,
     check_multimodal_weights,
+    check_tied_output,
     check_weights_match_config,
 )
 from ..common.errors import KHAError
@@ -230,6 +231,7 @@ def check_layout(config: KHAConfig, base_config: dict, tensors: dict[str, Tensor
     else:
         check_weights_match_config(base_config, tensors, where)
         check_attention_layout(config, tensors, where)
+        check_tied_output(config, tensors, folder, where)  # as fold, GGUF export and every reader of a KHA folder
     # the head the KHA checkpoint will name is in the weights, in the config's shape (a causal LM holds none)
     check_head_weights(
         base_config, kha_architecture(base_config.get("architectures"), config.base_model_type), tensors, where

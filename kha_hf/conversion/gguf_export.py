@@ -37,6 +37,7 @@ from ..common.checks import (
     check_attention_layout,
     check_config_numbers,
     check_tensor_shapes,
+    check_tied_output,
     check_weights_match_config,
     model_tensor_shapes,
 )
@@ -271,6 +272,9 @@ def check_checkpoint_tensors(raw: dict, base, tensors: dict, folder: Path) -> No
     check_attention_layout(base, tensors, where)
     expected = model_tensor_shapes(base, where)
     given = {name: info for name, info in tensors.items() if not KNOCK_KEY.match(name)}
+    if getattr(base, "tie_word_embeddings", False) and "lm_head.weight" in given:
+        check_tied_output(base, given, folder, where)  # one rule with convert and fold: a different head is refused
+        given.pop("lm_head.weight")  # equal to the embeddings: the tied output llama.cpp builds
     missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
     if missing or extra:
         tied = " (tie_word_embeddings is true, yet the weights hold lm_head)" if "lm_head.weight" in extra else ""

@@ -175,7 +175,10 @@ def _edit_config(folder: Path, **changes) -> None:
         ({"num_key_value_heads": 3}, "output features"),
         ({"hidden_size": 128}, "the embedding"),
         ({"vocab_size": 1000}, "the embedding has"),
-        ({"tie_word_embeddings": True}, "tie_word_embeddings is true"),
+        (
+            {"tie_word_embeddings": True},
+            "says tie_word_embeddings, yet the weights hold an lm_head.weight that differs",
+        ),
         ({"max_position_embeddings": 10**18}, "32-bit"),
         ({"rms_norm_eps": 1e300}, "rms_norm_eps"),
         ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
