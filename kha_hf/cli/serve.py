@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
         "request (frequency_penalty, logit_bias, stop, a seed while sampling) gets a 400 when a request asks for "
         "something else than the model's generation config. A client must send its request within --read-timeout "
         "seconds (else 408, and the connection is closed); at most --max-connections are open at once (more get "
-        "503). /health answers 503 if a generation is stuck.\n\n"
+        "503). Prompts render in worker processes, each render capped by --render-memory and --request-timeout. "
+        "/health answers 503 if a generation is stuck.\n\n"
         "A KHA-Linear model can instead be folded (`kha fold`) and served by any engine. Where vLLM is installed "
         "(its own venv: scripts/install.sh vllm), the same folder serves with vLLM's Transformers backend: "
         "python -m vllm.entrypoints.openai.api_server --model MODEL --model-impl transformers --trust-remote-code "
@@ -85,6 +86,15 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--max-connections", type=positive_int, default=64, help="open client connections at most; more get 503"
     )
+    p.add_argument(
+        "--render-memory",
+        type=positive_int,
+        default=1024,
+        metavar="MIB",
+        help="MiB one prompt's render may take (the chat template, tokenizer and image processing run in a worker "
+        "process with this cap; a render that needs more gets a 400, one past --request-timeout a 408, and its "
+        "worker is ended)",
+    )
     p.add_argument("--ready-timeout", type=positive_int, default=300, help="seconds to wait for the model to load")
     p.set_defaults(func=run)
 
@@ -103,7 +113,12 @@ def run(args) -> int:
         trust_remote_code=args.trust_remote_code,
         ready_timeout=args.ready_timeout,
         limits=ServeLimits(
-            args.max_new_tokens, args.request_timeout, args.max_request_bytes, args.read_timeout, args.max_connections
+            max_new_tokens=args.max_new_tokens,
+            request_timeout=args.request_timeout,
+            max_request_bytes=args.max_request_bytes,
+            read_timeout=args.read_timeout,
+            max_connections=args.max_connections,
+            render_memory=args.render_memory << 20,
         ),
         cb_num_blocks=args.cb_num_blocks,
         cb_max_batch_tokens=args.cb_max_batch_tokens,

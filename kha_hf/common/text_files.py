@@ -1,7 +1,8 @@
-"""Reading user-named text files with one-line errors (missing, a folder, binary, not UTF-8)."""
+"""Reading user-named text and small JSON files with one-line errors (missing, a folder, binary, not UTF-8)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .errors import KHAError
@@ -21,3 +22,17 @@ def read_text_file(path: str | Path, what: str = "file") -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise KHAError(f"{what} {path} is not UTF-8 text ({err.reason} at byte {err.start})") from err
+
+
+def read_json_object(path: Path, max_bytes: int = 1 << 20) -> dict:
+    """PATH's JSON object (a small settings file: an adapter or generation config); one-line KHAError for a file
+    over MAX_BYTES, invalid or nested-too-deep JSON, or anything but an object."""
+    if path.stat().st_size > max_bytes:
+        raise KHAError(f"{path} is larger than a settings file can be ({path.stat().st_size} bytes)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise KHAError(f"{path} is not valid JSON: {str(err)[:200]}") from None
+    if not isinstance(raw, dict):
+        raise KHAError(f"{path} must hold a JSON object")
+    return raw

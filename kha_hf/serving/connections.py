@@ -28,12 +28,40 @@ FULL_RESPONSE = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconne
 MAX_HEADER_BYTES = 16 * 1024
 
 
+def one_framing_connection_class():
+    """h11's Connection (h11 0.16) refusing a request that carries both Content-Length and Transfer-Encoding. h11
+    reads such a body as chunked, as RFC 9112 allows; a proxy in front that reads it by its Content-Length would take
+    the rest as a second request on the same connection (request smuggling). uvicorn answers the
+    RemoteProtocolError with a 400 and closes the connection."""
+    import h11
+
+    class OneFramingConnection(h11.Connection):
+        def next_event(self):
+            event = super().next_event()
+            if isinstance(event, h11.Request):
+                names = {name.lower() for name, _ in event.headers}
+                if b"content-length" in names and b"transfer-encoding" in names:
+                    raise h11.RemoteProtocolError(
+                        "a request may not carry both Content-Length and Transfer-Encoding", error_status_hint=400
+                    )
+            return event
+
+    return OneFramingConnection
+
+
 def guarded_protocol_class(read_timeout: float, max_connections: int):
     """uvicorn's h11 protocol with a read deadline per request and a cap on open connections."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    connection_class = one_framing_connection_class()
 
     class GuardedH11Protocol(H11Protocol):
         read_deadline = None  # asyncio.TimerHandle while a request is being received
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.conn = connection_class(h11.SERVER, MAX_HEADER_BYTES)  # as uvicorn's, with KHAUvicornConfig's size
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)

@@ -58,6 +58,7 @@ class ServeLimits:
     read_timeout: float = 30.0  # seconds a client has to send a request's headers and body
     max_connections: int = 64  # open client connections; more are answered 503 and closed at once
     images: bool = False  # chat messages may carry images (set for a multimodal model with its processor)
+    render_memory: int = 1 << 30  # bytes one prompt's render may take (its worker's address space beyond its own)
 
 
 @dataclass
@@ -190,6 +191,8 @@ class ServeGuard:
             await self.app(scope, receive, send)  # lifespan events
             return
         path, method = scope["path"].rstrip("/") or "/", scope["method"]
+        if path != scope["path"]:  # the app sees the path the guard checked (FastAPI would redirect `x/` with a 307)
+            scope = {**scope, "path": path, "raw_path": path.encode("latin-1", "replace")}
         if method == "HEAD":
             send = _without_body(send)  # a HEAD answer carries no body, whatever its status (RFC 9110 9.3.2)
         try:

@@ -4,12 +4,14 @@ The subclasses here keep transformers' response builders (`_streaming`, `_non_st
 reasoning) and replace `handle_request`, which does, per request (the body has already passed the guard's
 allowlist, `fields.py`):
 
-- render and tokenise on at most RENDER_THREADS threads at once, under the request's time limit (`--request-timeout`;
-  what the render took is taken off the generation's budget); a render past its limit is stopped (`RenderThread`).
-  transformers 5.25 renders off the event loop too, but on one thread for all requests and without a time limit: a
-  slow render held up every other request's prompt, and an endless one every later request. A prompt
-  that does not render (the model's template or processor refuses the messages) answers 400, as does an empty
-  completion prompt on a tokenizer without a BOS token (5.25 sends the model an empty prompt);
+- render and tokenise in a render worker process (`render_pool`): at most RENDER_WORKERS at once, under the
+  request's time limit (`--request-timeout`; what the render took is taken off the generation's budget) and a memory
+  cap (`--render-memory`); a render past its limit is ended with its process. transformers 5.25 renders on one
+  thread for all requests, without a time limit: a slow render held up every other request's prompt, an endless
+  one every later request, and one string repetition in a template took the server's memory. The call rendered is
+  the one 5.25's own `render_messages` builds (recorded, `recording`). A prompt that does not render (the model's
+  template or processor refuses the messages) answers 400, as does an empty completion prompt on a tokenizer
+  without a BOS token (5.25 sends the model an empty prompt);
 - the chat template gets the server's `chat_template_kwargs` only (5.25 merges a client's over them);
 - `logit_bias` token ids must exist in the model's vocabulary;
 - `temperature > 0` (or a `top_p`) samples, whatever the model's generation config says (5.25 alone stays greedy
@@ -28,18 +30,17 @@ model manager and the loader).
 
 from __future__ import annotations
 
-import asyncio
-import ctypes
-import threading
 import time
-from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
 
 from .engine import SEED_KWARG
 from .errors import RequestError
 from .generation import fit_request
 from .guard import RequestRegistry, ServeLimits
+from .render_pool import RenderFailed, RenderPool, RenderTimedOut
 
-RENDER_THREADS = 2
 ASKED_TOKENS = ("max_completion_tokens", "max_tokens", "max_output_tokens")  # chat's first one wins, as in 5.25
 PER_REQUEST_SAMPLING = ("temperature", "top_k", "top_p")  # what continuous batching takes per request (5.25)
 
@@ -126,53 +127,17 @@ def check_no_media_tokens(processor, messages, param: str) -> None:
                 )
 
 
-class RenderStopped(BaseException):
-    """Raised inside a render thread to stop a render past its time limit (a BaseException: templates, tokenizers
-    and transformers catch Exception, and must not swallow it)."""
+def recording(engine) -> SimpleNamespace:
+    """ENGINE as transformers' `render_messages` reads it, with a processor that records the render's call."""
+    return SimpleNamespace(processor=_RecordedCall(), modality=engine.modality, use_cb=engine.use_cb)
 
 
-class RenderThread(threading.Thread):
-    """A thread that runs one render, FN(), and hands its outcome, (True, result) or (False, error), to the event loop
-    LOOP (`outcome`), then calls ON_END there. `stop()` raises RenderStopped inside the render (at its next Python
-    bytecode: a template's loops stop; a call into native code stops once it returns) and never after it: the
-    thread ends, and ON_END runs, in every case."""
+class _RecordedCall:
+    """Stands in for a processor in transformers' own `render_messages`: its `apply_chat_template` call (messages,
+    tools, template keywords, as 5.25 builds them) is recorded for a render worker instead of run here."""
 
-    def __init__(self, fn: Callable, loop: asyncio.AbstractEventLoop, on_end: Callable[[], None]) -> None:
-        super().__init__(name="kha-serve-render", daemon=True)
-        self.fn, self.loop, self.on_end = fn, loop, on_end
-        self.outcome: asyncio.Future = loop.create_future()
-        self.lock = threading.Lock()
-        self.rendering = True
-        self.stopped = False
-
-    def stop(self) -> None:
-        with self.lock:
-            if self.rendering and self.ident is not None and not self.stopped:
-                self.stopped = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), ctypes.py_object(RenderStopped))
-
-    def run(self) -> None:
-        outcome = None
-        while True:  # a RenderStopped may land anywhere until the render is marked over and any pending one cleared
-            try:
-                if outcome is None:
-                    try:
-                        outcome = (True, self.fn())
-                    except BaseException as err:
-                        outcome = (False, err)
-                with self.lock:
-                    self.rendering = False
-                    if self.stopped:
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), None)  # clear it
-                break
-            except RenderStopped as err:
-                outcome = outcome or (False, err)
-        self.loop.call_soon_threadsafe(self._settle, outcome)
-
-    def _settle(self, outcome) -> None:
-        if not self.outcome.done():
-            self.outcome.set_result(outcome)
-        self.on_end()
+    def apply_chat_template(self, *args, **kwargs):
+        return "chat", args, kwargs
 
 
 def check_continuous_batching(body: dict, config, model_generation, generation_kwargs: dict, info: dict) -> None:
@@ -212,54 +177,40 @@ def kha_handler_classes(limits: ServeLimits, registry: RequestRegistry) -> dict[
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.response import ResponseHandler
     from transformers.cli.serving.utils import prompt_length
-    from transformers.tokenization_utils_base import BatchEncoding
 
-    slots: list[asyncio.Semaphore] = []  # made on the server's event loop, at its first render
+    pools: list[RenderPool] = []  # one: kha serve serves one model (made at its first render, on the event loop)
 
-    async def off_loop(render: Callable, started: float, param: str):
-        """RENDER() on a render thread (RENDER_THREADS at most at once), within what is left of the request's time
-        limit; a failure is a 400. A render still running at the limit (or when its client goes) is stopped
-        (`RenderThread.stop`), so that it gives its place back: a checkpoint's template with nested loops held both
-        render threads for good, and every later request answered 408."""
-
-        def run():
-            try:
-                return render()
-            except RequestError:
-                raise
-            except Exception as err:  # the model's template (or tokenizer, processor) refused what the client sent
-                message = f"{type(err).__name__}: {err}"[:300]
-                raise RequestError(400, f"the prompt could not be rendered: {message}", param) from None
-
-        def timed_out() -> RequestError:
-            return RequestError(
+    async def rendered(engine, job: tuple, started: float, param: str):
+        """JOB ((kind, args, kwargs): a chat template's render or a completion's tokenisation) run in a render worker
+        (`render_pool`), within what is left of the request's time limit, counted in /health as work in flight; a
+        failure is a 400, a render past the limit (whose worker is ended) a 408."""
+        if not pools or pools[0].processor is not engine.processor:
+            pools[:] = [RenderPool(engine.processor, memory=limits.render_memory)]
+        key = object()
+        registry.begin(key)
+        try:
+            return await pools[0].run(*job, timeout=started + limits.request_timeout - time.monotonic())
+        except RenderTimedOut:
+            raise RequestError(
                 408, f"the prompt did not render within --request-timeout ({limits.request_timeout:g} s)", param
-            )
+            ) from None
+        except RenderFailed as err:
+            if err.memory:
+                message = f"it needed more than --render-memory ({limits.render_memory >> 20} MiB)"
+            else:
+                message = str(err)
+            raise RequestError(400, f"the prompt could not be rendered: {message}", param) from None
+        finally:
+            registry.end(key)
 
-        if not slots:
-            slots.append(asyncio.Semaphore(RENDER_THREADS))
-        slot = slots[0]
-        deadline = started + limits.request_timeout
-        try:
-            await asyncio.wait_for(slot.acquire(), timeout=max(deadline - time.monotonic(), 0.0))
-        except asyncio.TimeoutError:
-            raise timed_out() from None
-        loop = asyncio.get_running_loop()
-        thread = RenderThread(registry.track(run), loop, on_end=slot.release)
-        thread.start()
-        try:
-            ok, value = await asyncio.wait_for(
-                asyncio.shield(thread.outcome), timeout=max(deadline - time.monotonic(), 0.0)
-            )
-        except asyncio.TimeoutError:
-            thread.stop()
-            raise timed_out() from None
-        except asyncio.CancelledError:  # the client went
-            thread.stop()
-            raise
-        if not ok:
-            raise value
-        return value
+    def start_renders(processor) -> None:
+        """The render workers for PROCESSOR, started before the server says it is ready."""
+        pools[:] = [RenderPool(processor, memory=limits.render_memory)]
+        pools[0].start()
+
+    def close_renders() -> None:
+        for pool in pools:
+            pool.close()
 
     class Common:
         def _chat_template_kwargs(self, body: dict) -> dict:
@@ -290,8 +241,8 @@ def kha_handler_classes(limits: ServeLimits, registry: RequestRegistry) -> dict[
             self._validate_request(body)
             engine = self.model_manager.get_engine(body.get("model"))
             check_no_media_tokens(engine.processor, body["messages"], "messages")
-            render = lambda: self.render_messages(engine, body["messages"], body)  # noqa: E731
-            inputs = await off_loop(render, started, "messages")
+            job = self.render_messages(recording(engine), body["messages"], body)
+            inputs = await rendered(engine, job, started, "messages")
             bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
             tools = body.get("tools")
             if body.get("stream"):
@@ -307,19 +258,13 @@ def kha_handler_classes(limits: ServeLimits, registry: RequestRegistry) -> dict[
             engine = self.model_manager.get_engine(body.get("model"))
             tokenizer = getattr(engine.processor, "tokenizer", engine.processor)
 
-            def tokenize():
-                encoded = dict(tokenizer(body["prompt"], return_tensors=None))
-                if not encoded["input_ids"]:
-                    if tokenizer.bos_token_id is None:
-                        raise RequestError(
-                            400, "prompt is empty and this model has no BOS token to start from", "prompt"
-                        )
-                    encoded = {"input_ids": [tokenizer.bos_token_id], "attention_mask": [1]}
-                if engine.use_cb:
-                    return encoded
-                return BatchEncoding({k: [v] for k, v in encoded.items()}, tensor_type="pt")
-
-            inputs = await off_loop(tokenize, started, "prompt")
+            encoded = await rendered(engine, ("tokenize", (body["prompt"],), {}), started, "prompt")
+            encoded = {name: encoded[name] for name in ("input_ids", "attention_mask") if name in encoded}
+            if not encoded["input_ids"]:
+                if tokenizer.bos_token_id is None:
+                    raise RequestError(400, "prompt is empty and this model has no BOS token to start from", "prompt")
+                encoded = {"input_ids": [tokenizer.bos_token_id], "attention_mask": [1]}
+            inputs = encoded if engine.use_cb else {k: torch.tensor([v]) for k, v in encoded.items()}
             bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
             args = (request_id, bound, inputs, generation_kwargs, body.get("suffix"))
             if body.get("stream"):
@@ -335,14 +280,16 @@ def kha_handler_classes(limits: ServeLimits, registry: RequestRegistry) -> dict[
             engine = self.model_manager.get_engine(body.get("model"))
             check_no_media_tokens(engine.processor, body["input"], "input")
             check_no_media_tokens(engine.processor, body.get("instructions"), "instructions")
-            render = lambda: self.render_messages(engine, self._normalize_input(body), body)  # noqa: E731
-            inputs = await off_loop(render, started, "input")
+            job = self.render_messages(recording(engine), self._normalize_input(body), body)
+            inputs = await rendered(engine, job, started, "input")
             bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
             if body.get("stream", False):
                 return self._streaming(request_id, bound, body, inputs, generation_kwargs)
             return await self._non_streaming(request_id, bound, body, inputs, generation_kwargs)
 
     return {
+        "start_renders": start_renders,
+        "close_renders": close_renders,
         "ChatCompletionHandler": KHAChatCompletionHandler,
         "CompletionHandler": KHACompletionHandler,
         "ResponseHandler": KHAResponseHandler,

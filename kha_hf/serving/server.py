@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import math
+import os
 import re
 import socket
 import threading
@@ -51,6 +53,7 @@ from ..common.loading import (
     is_multimodal_checkpoint,
 )
 from .errors import RequestError
+from .fields import MIN_TEMPERATURE
 from .guard import RequestRegistry, ServeGuard, ServeLimits, model_aliases
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -176,6 +179,66 @@ def check_serving_transformers(version: str | None = None) -> None:
         )
 
 
+# A request that names no sampling setting takes the model's (generation_config.json, else config.json, as
+# transformers builds it): each must be one a request could be allowed, or one that no generation can survive is
+# refused at start. `temperature: 1e-45` overflowed the logits (a 500, and a dead continuous batch), `typical_p: 0`
+# and `num_beams: 64` failed every request.
+UNIT = "above 0, at most 1"
+SAMPLING_BOUNDS = {
+    "temperature": (lambda t: t == 0 or MIN_TEMPERATURE <= t <= 100, f"0, or {MIN_TEMPERATURE} to 100"),
+    "top_p": (lambda p: 0 < p <= 1, UNIT),
+    "typical_p": (lambda p: 0 < p <= 1, UNIT),
+    "min_p": (lambda p: 0 <= p <= 1, "0 to 1"),
+    "epsilon_cutoff": (lambda p: 0 <= p < 1, "0 or more, below 1"),
+    "eta_cutoff": (lambda p: 0 <= p < 1, "0 or more, below 1"),
+    "repetition_penalty": (lambda r: 0.01 <= r <= 100, "0.01 to 100"),
+}
+WHOLE_BOUNDS = {
+    "top_k": (lambda k: k >= 0, "a whole number, 0 or more"),
+    "num_beams": (lambda n: n == 1, "1: kha serve streams each token, which beam search cannot"),
+    "num_beam_groups": (lambda n: n == 1, "1: kha serve streams each token, which beam search cannot"),
+    "min_new_tokens": (lambda n: n >= 0, "a whole number, 0 or more"),
+    "min_length": (lambda n: n >= 0, "a whole number, 0 or more"),
+}
+
+
+def _machine_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_generation_config(folder: Path) -> None:
+    """One-line KHAError for generation settings in FOLDER's generation_config.json (or, without one, its
+    config.json, which transformers builds the generation config from) that no request could be allowed
+    (SAMPLING_BOUNDS, WHOLE_BOUNDS; suppressed tokens that leave none to sample): the bounds of a request's own
+    fields (`fields.py`), checked when the server starts."""
+    from ..common.text_files import read_json_object
+
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        path = folder / "config.json"
+        if not path.is_file():
+            return
+    config = read_json_object(path, 64 << 20)
+    for name, value in config.items():
+        if name in SAMPLING_BOUNDS or name in WHOLE_BOUNDS:
+            whole = name in WHOLE_BOUNDS
+            ok, bounds = WHOLE_BOUNDS[name] if whole else SAMPLING_BOUNDS[name]
+            kind = int if whole else (int, float)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or not ok(value):
+                raise KHAError(f"{path}: {name} {value!r} is outside what kha serve can generate with ({bounds})")
+    vocab = config.get("vocab_size") or read_json_object(folder / "config.json", 64 << 20).get("vocab_size")
+    for name in ("suppress_tokens", "begin_suppress_tokens"):
+        tokens = config.get(name)
+        if tokens is None:
+            continue
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise KHAError(f"{path}: {name} must be a list of token ids")
+        if isinstance(vocab, int) and len(set(tokens)) >= vocab - 1:
+            raise KHAError(f"{path}: {name} suppresses {len(set(tokens))} of {vocab} tokens: nothing is left to say")
+
+
 def check_serve_inputs(
     model: str,
     device: str,
@@ -195,11 +258,18 @@ def check_serve_inputs(
         "max_new_tokens": limits.max_new_tokens,
         "max_request_bytes": limits.max_request_bytes,
         "max_connections": limits.max_connections,
+        "render_memory": limits.render_memory,
     }
     counts.update({name: value for name, value in (cache_sizes or {}).items() if value is not None})
     for name, value in counts.items():
         if not isinstance(value, int) or value < 1:
             raise KHAError(f"{name} must be a positive integer, got {value!r}")
+    memory = _machine_memory()
+    if isinstance(limits.render_memory, int) and limits.render_memory > memory:
+        raise KHAError(
+            f"--render-memory {limits.render_memory >> 20} MiB is more than this machine's memory ({memory >> 20} "
+            "MiB): a render could then take it all"
+        )
     for name in ("request_timeout", "read_timeout"):
         value = getattr(limits, name)
         if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
@@ -217,6 +287,7 @@ def check_serve_inputs(
     check_processor_bounds(path)  # one small image resized to gigabytes (any checkpoint: its processor serves images)
     checkpoint.check_not_task_head()  # served as a causal LM, a reward model would answer with a random lm_head
     checkpoint.check()
+    check_generation_config(path)
     if is_kha and not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise KHAError(f"{model} has no tokenizer files: copy the base model's tokenizer into it to serve it")
     return str(path.resolve())
@@ -227,9 +298,12 @@ class RunningServer:
     on a thread of its own (`thread`), the model in a process of its own (`model_manager`), the requests in flight
     (`kha_registry`: tests and monitoring read it). `kill_server()` stops it all."""
 
-    def __init__(self, serve, server, thread: threading.Thread, model_manager, registry: RequestRegistry) -> None:
+    def __init__(
+        self, serve, server, thread: threading.Thread, model_manager, registry: RequestRegistry, close_renders=None
+    ) -> None:
         self.serve, self.server, self.thread = serve, server, thread
         self.model_manager, self.kha_registry = model_manager, registry
+        self.close_renders = close_renders or (lambda: None)  # the render workers (`render_pool`)
 
     def is_alive(self) -> bool:
         return self.thread.is_alive()
@@ -242,6 +316,7 @@ class RunningServer:
             self.server.force_exit = True
             self.thread.join(timeout)
         self.model_manager.shutdown()  # the app's shutdown did it already, unless it never ran
+        self.close_renders()
 
 
 def background_server_class(built: dict):
@@ -381,9 +456,12 @@ def start_server(
         if "model_manager" in built:
             built["model_manager"].shutdown()
         raise KHAError(f"cannot load {model}: {describe_error(err)}") from err
-    running = RunningServer(serve, built["server"], built["thread"], built["model_manager"], registry)
+    running = RunningServer(
+        serve, built["server"], built["thread"], built["model_manager"], registry, handlers["close_renders"]
+    )
     try:
         wait_until_ready(host, port, ready_timeout)
+        handlers["start_renders"](running.model_manager.get_engine(None).processor)
     except BaseException:
         running.kill_server()
         raise
