@@ -6,10 +6,14 @@ Axolotl merges `KHAArgs` into its config model (`get_input_args`), so a bad valu
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from ...common.checkpoint import CONFIG_FILE, read_config_dict
+from ...common.checks import check_config_numbers
+from ...common.errors import KHAError
 from ...modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
 from ...modeling.families import FAMILIES, attention_layers
 
@@ -46,18 +50,76 @@ class KnockArgs(BaseModel):
         }
 
 
-def base_model_config(data: dict[str, Any]) -> Any | None:
-    """The base model's config (what `base_model_config` or `base_model` names), or None when it cannot be read
-    here (a Hub id offline): then the same checks run, in one line, when the adapter is built."""
+def _one_line(err: BaseException, where: str) -> str:
+    """ERR as the one line a refusal shows: a KHAError's own words (they name the file), else WHERE and ERR's words
+    on one line, 300 characters at most (the family's config class rejects what it cannot build, in its own words;
+    a strict-dataclass error puts the field on its first line and the value on the next)."""
+    if isinstance(err, KHAError):
+        return str(err)
+    reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip())[:300]
+    return f"{where}: {reason or type(err).__name__}"
+
+
+def _config_name(data: dict[str, Any]) -> str | None:
     name = data.get("base_model_config") or data.get("base_model")
-    if not name:
+    return str(name) if name else None
+
+
+def _read_hub_config(name: str) -> dict | None:
+    """NAME's config.json through transformers' cached download; None when it cannot be had here (offline, unknown
+    id): Axolotl's own loading reports it."""
+    from transformers import PretrainedConfig
+
+    try:
+        fields, _ = PretrainedConfig.get_config_dict(name)
+    except (OSError, ValueError):
         return None
+    return fields if isinstance(fields, dict) else None
+
+
+def base_config_fields(data: dict[str, Any]) -> tuple[dict, str] | None:
+    """The base model's config.json (what `base_model_config` or `base_model` names) as a dict, and the path that
+    refusals name, with nothing built from it: a local folder through kha's own reader (`read_config_dict`: a config
+    nested thousands deep is refused), a Hub id through transformers' cached download. None when it cannot be read
+    here (a Hub id offline, a folder without a readable config.json: Axolotl's own loading reports it); a one-line
+    ValueError when it is there but is no model config."""
+    name = _config_name(data)
+    if name is None:
+        return None
+    folder = Path(name)
+    where = str(folder / CONFIG_FILE) if folder.is_dir() else name
+    try:
+        fields = read_config_dict(folder) if folder.is_dir() else _read_hub_config(name)
+    except Exception as err:  # RecursionError, MemoryError...: never a traceback out of a config check
+        raise ValueError(_one_line(err, where)) from None
+    return None if fields is None else (fields, where)
+
+
+def checked_config_fields(data: dict[str, Any]) -> tuple[dict, str] | None:
+    """`base_config_fields`, with the checks kha's own tools make of every config.json (`check_config_numbers`:
+    sizes are positive integers, at most 4096 layers, model_type a string, layer_types one per layer...) made
+    before anything sized by it is built; a one-line ValueError naming the field and its value otherwise."""
+    read = base_config_fields(data)
+    if read is None:
+        return None
+    fields, where = read
+    try:
+        check_config_numbers(fields, where)
+    except Exception as err:
+        raise ValueError(_one_line(err, where)) from None
+    return read
+
+
+def build_config(data: dict[str, Any], where: str) -> Any:
+    """The config object transformers' AutoConfig builds of the base model DATA names, once `checked_config_fields`
+    passed it; a one-line ValueError, naming WHERE, for any failure (the family's config class rejects what it
+    cannot build, in its own words: a strict-dataclass error, a TypeError...)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(name), trust_remote_code=bool(data.get("trust_remote_code")))
-    except (OSError, ValueError):
-        return None  # Axolotl's own loading reports it
+        return AutoConfig.from_pretrained(_config_name(data), trust_remote_code=bool(data.get("trust_remote_code")))
+    except Exception as err:
+        raise ValueError(_one_line(err, where)) from None
 
 
 class KHAArgs(BaseModel):
@@ -81,10 +143,10 @@ class KHAArgs(BaseModel):
                     "adapter: knock, or remove the block (a KHA base's own knocks train with unfrozen_parameters)"
                 )
             return data
-        config = base_model_config(data)
-        if config is None:
+        read = checked_config_fields(data)  # before anything sized by the config is built: 10^9 layers
+        if read is None:
             return data
-        model_type = getattr(config, "model_type", None)
+        model_type = read[0].get("model_type")  # a string: check_config_numbers refuses anything else
         if model_type == "kha":
             raise ValueError(
                 "adapter: knock needs a stock base model; base_model is a KHA checkpoint, which has knocks already: "
@@ -94,6 +156,7 @@ class KHAArgs(BaseModel):
             raise ValueError(
                 f"adapter: knock does not support model_type {model_type!r}; supported: {', '.join(FAMILIES)}"
             )
+        config = build_config(data, read[1])
         block = data.get("knock") or {}
         layers = block.get("layers") if isinstance(block, dict) else None
         if isinstance(layers, list) and all(isinstance(i, int) for i in layers) and _has_layers(config):

@@ -21,7 +21,7 @@ from typing import Any
 from axolotl.integrations.base import AdapterCapabilities, BasePlugin
 from axolotl.utils.logging import get_logger
 
-from .args import KNOCK_ADAPTER, KnockArgs, base_model_config
+from .args import KNOCK_ADAPTER, KnockArgs, base_config_fields
 
 LOG = get_logger(__name__)
 ATTENTION_KERNELS = ("lora_qkv_kernel", "lora_o_kernel")  # the Triton kernels that rewrite the attention class
@@ -71,8 +71,11 @@ class KHAPlugin(BasePlugin):
             self._choose_merge_method(cfg)
             if cfg.get("merge_lora"):
                 self._refuse_unmergeable(cfg)
-        config = base_model_config(dict(cfg))
-        if getattr(config, "model_type", None) != "kha":
+        try:  # config.json as read, nothing built: a config claiming 10^9 layers costs nothing here
+            read = base_config_fields(dict(cfg))
+        except ValueError:
+            return  # no model config: KHAArgs' validation refuses it (adapter: knock), else Axolotl's loading
+        if read is None or read[0].get("model_type") != "kha":
             return
         # both folders: base_model_config may name a sound config beside the weights Axolotl loads from base_model
         names = (cfg.get("base_model_config"), cfg.get("base_model"))
