@@ -125,6 +125,8 @@ def open_corpus(folder: str | Path) -> PreparedCorpus:
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise KHAError(f"{path}: tokens must be a positive integer, got {tokens!r}")
     dtype = np.dtype(DTYPES[dtype_name]).newbyteorder("<")
+    if (folder / TOKENS).is_symlink():  # kha tokenize writes a file: a link would read tokens from elsewhere
+        raise KHAError(f"{folder / TOKENS} is a symbolic link, not the token file kha tokenize wrote")
     size = (folder / TOKENS).stat().st_size if (folder / TOKENS).is_file() else None
     if size != tokens * dtype.itemsize:
         raise KHAError(

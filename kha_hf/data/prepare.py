@@ -44,9 +44,21 @@ def _start_worker(tokenizer_dir: str) -> None:
     _worker_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
 
 
+class IdPastTheDtype(ValueError):
+    """A token id the corpus's dtype cannot hold: the tokenizer gave an id past the size it states."""
+
+
 def _encode(texts: list[str], dtype_name: str) -> list[np.ndarray]:
     ids = _worker_tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return [np.asarray(row, dtype=dtype_name) for row in ids]
+    rows = [np.asarray(row, dtype=np.int64) for row in ids]
+    limit = np.iinfo(dtype_name).max
+    for row in rows:
+        if row.size and (row.max() > limit or row.min() < 0):
+            raise IdPastTheDtype(
+                f"the tokenizer gave token id {int(row.max())}, past the {dtype_name} this corpus "
+                f"was sized for from the tokenizer's own size"
+            )
+    return [row.astype(dtype_name) for row in rows]
 
 
 class _InProcess:
@@ -56,8 +68,17 @@ class _InProcess:
         _start_worker(tokenizer_dir)
 
     def apply_async(self, fn, args):
-        result = fn(*args)
-        return type("Done", (), {"get": staticmethod(lambda: result)})()
+        try:
+            result, error = fn(*args), None
+        except IdPastTheDtype as err:  # raised by get(), as a pool's result raises it
+            result, error = None, err
+
+        def get():
+            if error is not None:
+                raise error
+            return result
+
+        return type("Done", (), {"get": staticmethod(get)})()
 
     def __enter__(self):
         return self
@@ -117,7 +138,9 @@ def tokenize_corpus(
     tok = load_tokenizer(gguf or tokenizer, None, gguf=gguf, offer_trust=False, offer_tokenizer=False)
     if tok.eos_token_id is None:
         raise KHAError(f"the tokenizer {tokenizer} has no EOS token: documents could not be told apart")
-    dtype_name = "uint16" if len(tok) <= 1 << 16 else "uint32"
+    # the ids the tokenizer can give: its length, and its vocabulary's largest id (a tokenizer.json may state fewer)
+    size = max(len(tok), max(tok.get_vocab().values(), default=0) + 1)
+    dtype_name = "uint16" if size <= 1 << 16 else "uint32"
     source_bytes = sum(os.path.getsize(name) for name in local)
     # about 4 bytes of text a token at the least: refuse a disk that cannot hold the tokens before reading anything
     check_free_space(final.parent, source_bytes * np.dtype(dtype_name).itemsize // 4, "the tokenized corpus")
@@ -179,7 +202,11 @@ def _write_tokens(
             def drain_one() -> None:
                 nonlocal written, max_id
                 pieces, result = pending.popleft()
-                for piece, ids in zip(pieces, result.get(), strict=True):
+                try:
+                    encoded = result.get()
+                except IdPastTheDtype as err:
+                    raise KHAError(f"{err}: a tokenizer that lies about its vocabulary") from None
+                for piece, ids in zip(pieces, encoded, strict=True):
                     for part in (ids, eos_array) if piece.ends_document else (ids,):
                         if part.size:
                             f.write(part.tobytes())

@@ -77,6 +77,14 @@ def resolve_sources(names: list[str]) -> list[Source]:
             files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and not p.is_dir())
             if not files:
                 raise KHAError(f"{path} holds no {', '.join(SUFFIXES)} files")
+            inside = os.path.realpath(path)
+            for p in files:  # as for checkpoints: a folder's link may not reach out of it (`secret.txt -> ~/.netrc`)
+                target = os.path.realpath(p)
+                if os.path.commonpath([inside, target]) != inside:
+                    raise KHAError(
+                        f"{p} is a link to {target}, outside the source folder {path}: name that file itself if you "
+                        "mean to read it"
+                    )
             sources += [_file_source(p) for p in files]
         elif path.exists() or path.is_symlink():
             if path.suffix not in SUFFIXES:
@@ -86,13 +94,19 @@ def resolve_sources(names: list[str]) -> list[Source]:
             sources.append(Source(name, "hub"))
         else:
             raise KHAError(f"{name}: no such file or folder (and not a Hub dataset of the form owner/name)")
-    seen: dict[str, str] = {}
-    for source in sources:  # a file read twice would train on one copy and hold the other out
-        key = os.path.realpath(source.name) if source.kind == "file" else source.name
+    seen: dict = {}
+    for source in sources:  # a file read twice (a link, a hard link) would train on one copy and hold the other out
+        key = _file_identity(source.name) if source.kind == "file" else source.name
         if key in seen:
             raise KHAError(f"{source.name} is named twice among the sources (also as {seen[key]}): name it once")
         seen[key] = source.name
     return sources
+
+
+def _file_identity(name: str) -> tuple[int, int]:
+    """The file NAME reads (links followed) as (device, inode): hard links to one file are one file."""
+    info = os.stat(name)
+    return info.st_dev, info.st_ino
 
 
 def _file_source(path: Path) -> Source:

@@ -187,6 +187,7 @@ def train(
     if resume:  # the same destination rule as a plain run, and only a folder kha wrote is continued or replaced
         output_dir, adopt, checkpoint = resume_point(output_dir, [model_path, tokenizer], data)
         check_resumed_record(adopt or output_dir, record)  # the same corpus, seed and block length
+        check_checkpoint_step(checkpoint, max_steps)
         replace = output_dir.exists()
     else:
         output_dir = check_run_destination(output_dir, [model_path, tokenizer], data, overwrite)
@@ -295,6 +296,26 @@ def train(
     return TrainResult(
         output_dir, output.training_loss, heldout, output.global_step, trainer.state.log_history, adapter_dir, before
     )
+
+
+def check_checkpoint_step(checkpoint: str | None, max_steps: int) -> None:
+    """One-line KHAError unless CHECKPOINT's trainer_state.json says the step its name says (`checkpoint-N`, as
+    transformers names it), a step within MAX_STEPS: a tampered `global_step` of 10^12 "trained" a model in 0 s,
+    one of -5 ran 11 steps where 2 were asked."""
+    if checkpoint is None:
+        return
+    folder = Path(checkpoint)
+    path = folder / "trainer_state.json"
+    if path.is_symlink() or not path.is_file():
+        raise KHAError(f"{folder} has no trainer_state.json (a regular file): not a checkpoint to resume from")
+    from ..common.text_files import read_json_object
+
+    step = read_json_object(path).get("global_step")
+    named = folder.name.removeprefix("checkpoint-")
+    if isinstance(step, bool) or not isinstance(step, int) or str(step) != named:
+        raise KHAError(f"{path}: global_step {step!r} is not the step of {folder.name}: a changed checkpoint")
+    if not 0 < step <= max_steps:
+        raise KHAError(f"{folder.name} is at step {step}, past --max-steps {max_steps}: ask for more steps to resume")
 
 
 def resume_point(
