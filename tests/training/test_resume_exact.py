@@ -16,7 +16,7 @@ from kha_hf.data.prepare import tokenize_corpus
 from tests.training.engines import EXPECTED, RUN, engines, kha_env, kha_train, launcher, logged_losses
 
 TOLERANCE = 1e-5
-STEPS, SAVE = 60, 20
+STEPS, SAVE = 24, 8  # a checkpoint, the kill, 16 steps resumed: what differs in a resume shows in its first steps
 
 
 def args(prepared, out, processes: int) -> list:
