@@ -143,3 +143,34 @@ def test_a_value_the_config_class_rejects_is_refused_in_one_line_in_its_words(ll
     message = _plugin_message(config(tmp_path, llama, adapter="knock"))
     assert message.startswith(f"{llama / 'config.json'}: Validation error for field 'rms_norm_eps'"), message
     assert "got str (value: 'tiny')" in message, message
+
+
+def test_the_plugin_loads_a_knock_adapter_only_with_its_own_tensors(llama, tmp_path):
+    """#61 item 1, the Axolotl path (`lora_model_dir`): a knock adapter file carrying the base model's own head
+    (`lm_head.original_module.weight`, zeros) is refused before any weight changes."""
+    import torch
+    from axolotl.utils.dict import DictDefault
+    from peft import get_peft_model
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from kha_hf import KnockConfig
+    from kha_hf.integrations.axolotl import KHAPlugin
+
+    adapter = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(llama), KnockConfig(knock="linear_v", modules_to_save=["lm_head"])
+    )
+    adapter.save_pretrained(tmp_path / "evil")
+    path = tmp_path / "evil" / "adapter_model.safetensors"
+    tensors = load_file(path)
+    tensors["base_model.model.lm_head.original_module.weight"] = torch.zeros_like(
+        tensors["base_model.model.lm_head.weight"]
+    )
+    save_file(tensors, path, metadata={"format": "pt"})
+    base = AutoModelForCausalLM.from_pretrained(llama)
+    # the parameter objects themselves: peft wraps modules in place, so names may change, the tensors may not
+    before = [(param, param.detach().clone()) for param in base.parameters()]
+    cfg = DictDefault({"adapter": "knock", "lora_model_dir": str(tmp_path / "evil")})
+    with pytest.raises(ValueError, match="neither knocks nor its own copies"):
+        KHAPlugin().load_adapter(base, cfg, inference=True)
+    assert all(torch.equal(param, saved) for param, saved in before)

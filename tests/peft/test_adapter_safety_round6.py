@@ -21,13 +21,15 @@ from safetensors.torch import load_file, save_file
 from tests.peft.test_knock_adapter import IDS, _adapter, _stock, llama_base  # noqa: F401 (a fixture)
 
 
-def _states(model) -> dict[str, torch.Tensor]:
-    return {key: tensor.detach().clone() for key, tensor in model.state_dict().items()}
+def _states(model) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Every parameter and buffer object of MODEL with a copy of its values: peft wraps modules in place (a refused
+    load may leave a wrapper behind), so names may change; the tensors themselves may not."""
+    held = [*model.named_parameters(), *model.named_buffers()]
+    return [(name, tensor, tensor.detach().clone()) for name, tensor in held]
 
 
-def _assert_unchanged(model, before: dict[str, torch.Tensor], what: str) -> None:
-    after = model.state_dict()
-    changed = [key for key, tensor in before.items() if key in after and not torch.equal(after[key], tensor)]
+def _assert_unchanged(model, before, what: str) -> None:
+    changed = [name for name, tensor, saved in before if not torch.equal(tensor, saved)]
     assert not changed, f"{what}: {changed[:3]} changed"
 
 
@@ -153,3 +155,21 @@ def test_a_saved_module_without_its_tensor_is_one_line(llama_base, tmp_path):  #
     with pytest.raises(ValueError, match=r"has no tensor base_model\.model\.lm_head\.weight of lm_head"):
         PeftModel.from_pretrained(stock, folder)
     _assert_unchanged(stock, before, "the stock model")
+
+
+def test_kha_commands_refuse_the_same_hostile_file(llama_base, tmp_path, capsys):  # noqa: F811
+    """`kha convert --adapter` and `kha eval --adapter` (`check_adapter_fits`, before any model runs) read the file
+    themselves and accept knock tensors only."""
+    from kha_hf.common.errors import KHAError
+    from kha_hf.peft.adapter_files import check_adapter_fits
+    from tests.cli.test_bad_input import one_line_error
+
+    modules_to_save, extra = HOSTILE_FILES["lm_head.original_module"]
+    _hostile(llama_base, tmp_path / "evil", modules_to_save, extra)
+    err = one_line_error(
+        capsys, ["convert", str(llama_base), str(tmp_path / "out"), "--adapter", str(tmp_path / "evil")], "convert"
+    )
+    assert "lm_head.original_module.weight is not a knock tensor" in err, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(KHAError, match="is not a knock tensor"):
+        check_adapter_fits(llama_base, tmp_path / "evil")
