@@ -35,6 +35,7 @@ from .corpus_data import (
     write_run_record,
 )
 from .data import read_documents, train_heldout_split
+from .deepspeed_config import check_deepspeed_config
 from .from_config import check_model_fits, is_config_ref, kha_config_from, model_from_config
 from .guards import (
     StopOnNonFiniteLoss,
@@ -124,7 +125,10 @@ def paper_training_arguments(output_dir: Path, **overrides) -> TrainingArguments
         logging_nan_inf_filter=False,  # a NaN loss is logged as NaN (and stops the run), never averaged away
     )
     args.update(overrides)
-    return TrainingArguments(**args)
+    try:
+        return TrainingArguments(**args)
+    except ValueError as err:  # accelerate's own checks of its config (a DeepSpeed file beside yaml fields it ignores)
+        raise KHAError(f"the training configuration: {' '.join(str(err).split())[:400]}") from None
 
 
 def train(
@@ -219,6 +223,7 @@ def train(
     check_batches(len(train_set), batch_size, _world_size())  # 0 steps is an error, before the model is loaded
     # before the model: under DeepSpeed ZeRO-3 (accelerate launch) the arguments switch transformers to build it
     # partitioned across ranks (deepspeed.zero.Init), as from_pretrained and from_config then do
+    check_deepspeed_config()  # what accelerate hands this process: blocks that write elsewhere or end the run
     args = paper_training_arguments(
         output_dir,  # replaced by the run's working folder below
         max_steps=max_steps,
@@ -269,6 +274,8 @@ def train(
             output = trainer.train(resume_from_checkpoint=checkpoint)
         except pickle.UnpicklingError as err:  # torch.load(weights_only=True) refused an object: nothing ran
             raise KHAError(f"cannot resume from {checkpoint}: {unpickling_reason(err)}") from err
+        except SystemExit as err:  # a library ended the run (DeepSpeed's autotuning did): no model, never exit 0
+            raise KHAError(f"training stopped before its last step (exit({err.code!r}) inside the trainer)") from None
         metrics = trainer.evaluate()
         heldout = metrics["eval_loss"]
         check_training_result(output.global_step, output.training_loss, heldout, model)  # keeps no bad model
@@ -305,6 +312,8 @@ def check_checkpoint_step(checkpoint: str | None, max_steps: int) -> None:
     if checkpoint is None:
         return
     folder = Path(checkpoint)
+    if folder.is_symlink():  # its weights, optimizer and random state would come from wherever it points
+        raise KHAError(f"{folder} is a symbolic link: a run resumes from checkpoints it wrote itself")
     path = folder / "trainer_state.json"
     if path.is_symlink() or not path.is_file():
         raise KHAError(f"{folder} has no trainer_state.json (a regular file): not a checkpoint to resume from")
