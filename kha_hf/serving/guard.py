@@ -94,21 +94,6 @@ class RequestRegistry:
             self.cancellers.pop(request_id, None)
             self.cancelled.discard(request_id)
 
-    def track(self, fn: Callable) -> Callable:
-        """FN wrapped so that its run counts as a generation in flight."""
-
-        def tracked(*args, **kwargs):
-            token = id(tracked)
-            with self.lock:
-                self.running[token] = time.monotonic()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                with self.lock:
-                    self.running.pop(token, None)
-
-        return tracked
-
     def begin(self, key: object) -> None:
         """A generation run elsewhere (continuous batching's thread) starts: it counts until `end(KEY)`."""
         with self.lock:

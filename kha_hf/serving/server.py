@@ -206,19 +206,18 @@ def _machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_generation_config(folder: Path) -> None:
+def check_generation_config(folder: Path, model_config: dict) -> None:
     """One-line KHAError for generation settings in FOLDER's generation_config.json (or, without one, its
     config.json, which transformers builds the generation config from) that no request could be allowed
     (SAMPLING_BOUNDS, WHOLE_BOUNDS; suppressed tokens that leave none to sample): the bounds of a request's own
-    fields (`fields.py`), checked when the server starts."""
+    fields (`fields.py`), checked when the server starts. MODEL_CONFIG: config.json as `open_checkpoint` read it."""
     from ..common.text_files import read_json_object
 
     path = folder / "generation_config.json"
-    if not path.is_file():
-        path = folder / "config.json"
-        if not path.is_file():
-            return
-    config = read_json_object(path, 64 << 20)
+    if path.is_file():
+        config = read_json_object(path)
+    else:  # MODEL_CONFIG: FOLDER's config.json, already read and checked
+        path, config = folder / "config.json", model_config
     for name, value in config.items():
         if name in SAMPLING_BOUNDS or name in WHOLE_BOUNDS:
             whole = name in WHOLE_BOUNDS
@@ -228,7 +227,7 @@ def check_generation_config(folder: Path) -> None:
                 continue
             if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or not ok(value):
                 raise KHAError(f"{path}: {name} {value!r} is outside what kha serve can generate with ({bounds})")
-    vocab = config.get("vocab_size") or read_json_object(folder / "config.json", 64 << 20).get("vocab_size")
+    vocab = model_config.get("vocab_size")
     for name in ("suppress_tokens", "begin_suppress_tokens"):
         tokens = config.get(name)
         if tokens is None:
@@ -287,7 +286,7 @@ def check_serve_inputs(
     check_processor_bounds(path)  # one small image resized to gigabytes (any checkpoint: its processor serves images)
     checkpoint.check_not_task_head()  # served as a causal LM, a reward model would answer with a random lm_head
     checkpoint.check()
-    check_generation_config(path)
+    check_generation_config(path, checkpoint.config)
     if is_kha and not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise KHAError(f"{model} has no tokenizer files: copy the base model's tokenizer into it to serve it")
     return str(path.resolve())
