@@ -134,6 +134,9 @@ OTHER_FAMILIES: dict[str, dict] = {
 }
 ALL_FAMILIES = FAMILIES + sorted(OTHER_FAMILIES)
 MLA_FAMILIES = {"deepseek_v3"}
+# Presets that together put every knock type on every target it can take (each other preset is a per-target cut of
+# these: tests/modeling/test_knock_math.py checks it); per-family tests loop over these rather than all presets.
+KIND_PRESETS = ("mlp_v", "linear_qkv", "mlp_v_linear_qk", "mlp_qkv", "gate_v")
 
 
 def tiny_config(name: str, **overrides) -> PreTrainedConfig:

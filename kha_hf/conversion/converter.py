@@ -44,6 +44,7 @@ from ..modeling.configuration_kha import (
     DEFAULT_KNOCK,
     KHAConfig,
     base_config_class,
+    control_refusal,
     kha_architecture,
     multimodal_text_type,
     resolve_knock_preset,
@@ -142,8 +143,8 @@ def convert(
             raise KHAError("--verify checks identity knocks; an adapter's trained knocks change the outputs")
     knock = DEFAULT_KNOCK if knock is None and knocks_from is None else knock
     try:
-        if knocks_from is None:
-            resolve_knock_preset(knock)  # fail fast, before any download or copy
+        if knocks_from is None and "gate" in resolve_knock_preset(knock):  # fail fast, before any download or copy
+            raise KHAError(control_refusal(f"--knock {knock} is the gate-only value knock", "kha convert"))
     except ValueError as err:
         raise KHAError(str(err)) from err
     if dtype is not None and dtype not in DTYPES:

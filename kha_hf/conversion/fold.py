@@ -30,7 +30,7 @@ from ..common.model_code import copy_model_code
 from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
 from ..common.paths import check_destination, check_free_space, check_source_links
 from ..common.safetensors_index import INDEX_FILE, shard_files
-from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, family_heads
+from ..modeling.configuration_kha import TARGET_WORDS, TASK_HEADS, KHAConfig, control_refusal, family_heads
 from ..modeling.knocks import finite_mask
 from .fold_plan import checked_fold_plan, fold_checked
 from .knock_reader import open_kha_checkpoint
@@ -90,19 +90,25 @@ def fold(
     check_source_links(kha_dir)  # no link out of KHA_DIR: nothing from elsewhere is copied into OUT
     kha = open_kha_checkpoint(kha_dir)
     config, tensors = kha.config, kha.tensors
+    if config.control_knocks:
+        raise KHAError(control_refusal(f"{kha_dir}: {config.control_knocks}", "kha fold"))
     linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
-    if config.knock_v == "mlp":
+    mlps = config.nonlinear_targets
+    if mlps:
+        names = "/".join(t.upper() for t in mlps)
         if not partial:
             raise KHAError(
-                "the value knock is an MLP (KHA-MLP), which is non-linear and cannot be folded into v_proj; "
+                f"the {'/'.join(TARGET_WORDS[t] for t in mlps)} knock{'s are MLPs' if len(mlps) > 1 else ' is an MLP'} "
+                f"(KHA-MLP), which is non-linear and cannot be folded into {'/'.join(f'{t}_proj' for t in mlps)}; "
                 + (
-                    "use --partial to fold the linear Q/K knocks and keep a KHA model with the V MLP"
+                    f"use --partial to fold the linear {'/'.join(t.upper() for t in linear)} knocks and keep a KHA "
+                    f"model with the {names} MLP"
                     if linear
                     else "serve this model with transformers and trust_remote_code instead"
                 )
             )
         if not linear:
-            raise KHAError("nothing to fold: this model has no linear knocks (only the value MLP)")
+            raise KHAError(f"nothing to fold: this model has no linear knocks (only the {names} MLP)")
     raw, where = kha.checkpoint.config, kha.checkpoint.where
     lm = "KHAForConditionalGeneration" if config.is_multimodal else "KHAForCausalLM"
     kind = next((name for name in architectures_of(raw, where) if name in TASK_HEADS), lm)
@@ -162,7 +168,9 @@ def fold(
         source = read_source_card(kha_dir)
         source.body = ""  # the KHA card describes knocks that are gone; keep its Hub metadata only
         what = (
-            "a KHA checkpoint whose value MLP remains" if partial else f"a plain `{config.base_model_type}` checkpoint"
+            f"a KHA checkpoint whose {'/'.join(t.upper() for t in mlps)} MLP remains"
+            if partial
+            else f"a plain `{config.base_model_type}` checkpoint"
         )
         description = (
             f"The linear knocks ({', '.join(t.upper() for t in linear)}) of a Knocking-Heads Attention model built on "

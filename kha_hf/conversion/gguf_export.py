@@ -45,6 +45,7 @@ from ..common.errors import KHAError
 from ..common.output import atomic_output_file
 from ..common.paths import check_file_destination, check_free_space, check_place, check_source_links
 from ..common.version import __version__
+from ..modeling.configuration_kha import TARGET_WORDS, control_refusal
 from .fold_plan import checked_fold_plan, fold_checked
 from .gguf_pretokenizers import KNOWN_PRE_TYPES
 from .knock_reader import open_kha_checkpoint
@@ -74,11 +75,16 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family("gemma3", norm_shift=1.0),
 }
 
-MLP_REFUSAL = (
-    "the value knock is an MLP (KHA-MLP): llama.cpp has no value-MLP graph, and a non-linear knock cannot be folded "
-    "into v_proj, so no GGUF file can compute this model; use a linear preset (--knock linear_v or linear_qkv) for a "
-    "model that folds into GGUF, or serve this one with `kha serve` or vLLM's Transformers backend"
-)
+
+def mlp_refusal(targets: list[str]) -> str:
+    """The one line that refuses a model whose TARGETS (q / k / v) carry an MLP knock."""
+    what = "/".join(TARGET_WORDS[t] for t in targets)
+    return (
+        f"the {what} knock{'s are MLPs' if len(targets) > 1 else ' is an MLP'} (KHA-MLP): llama.cpp has no {what}-MLP "
+        f"graph, and a non-linear knock cannot be folded into {'/'.join(f'{t}_proj' for t in targets)}, so no GGUF "
+        "file can compute this model; use a linear preset (--knock linear_v or linear_qkv) for a model that folds into "
+        "GGUF, or serve this one with `kha serve` or vLLM's Transformers backend"
+    )
 
 
 @dataclass
@@ -138,8 +144,10 @@ def export_gguf(
     if checkpoint.is_kha:
         kha = open_kha_checkpoint(checkpoint)
         config = kha.config
-        if config.knock_v == "mlp":
-            raise KHAError(MLP_REFUSAL)
+        if config.control_knocks:
+            raise KHAError(control_refusal(f"{kha_dir}: {config.control_knocks}", "the GGUF export"))
+        if config.nonlinear_targets:
+            raise KHAError(mlp_refusal(config.nonlinear_targets))
         linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
         base, model_type = config.to_base_config(), config.base_model_type
     else:

@@ -36,7 +36,8 @@ def matrix_stats(weight: torch.Tensor, start: str) -> dict[str, float]:
     return stats
 
 
-LABEL_ORDER = ["q", "k", "v", "v.up", "v.gate", "v.down"]
+# every label a knock can have: a linear knock is its target, an MLP's or gate's maps are target.map
+LABEL_ORDER = [label for t in "qkv" for label in (t, f"{t}.up", f"{t}.gate", f"{t}.down")]
 
 
 def knock_matrices(kha: str | Path | KHACheckpoint) -> list[tuple[int, str, str, torch.Tensor]]:

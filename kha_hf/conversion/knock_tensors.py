@@ -17,6 +17,7 @@ from ..modeling.families import family_spec
 KNOCK_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
     "linear": (("weight", "identity"),),
     "mlp": (("up.weight", "identity"), ("gate.weight", "zeros"), ("down.weight", "identity")),
+    "gate": (("gate.weight", "zeros"),),
 }
 TARGETS = ("q", "k", "v")
 KNOCK_KEY = re.compile(r"^(?P<prefix>.*)layers\.(?P<layer>\d+)\.self_attn\.(?P<target>[qkv])_knock\.(?P<part>.+)$")

@@ -97,17 +97,30 @@ def base_config_class(model_type: str | None) -> type[PreTrainedConfig]:
 
 
 KNOCK_TYPES: dict[str, tuple[str, ...]] = {
-    "q": ("none", "linear"),
-    "k": ("none", "linear"),
-    "v": ("none", "linear", "mlp"),
+    "q": ("none", "linear", "mlp"),
+    "k": ("none", "linear", "mlp"),
+    "v": ("none", "linear", "mlp", "gate"),  # gate: the paper's "gate alone on V" control (from-scratch A/B only)
 }
+TARGET_WORDS = {"q": "query", "k": "key", "v": "value"}
+# Knock types that are not one matrix: no fold into a projection, no GGUF, no PEFT merge
+NONLINEAR_TYPES = ("mlp", "gate")
+# Knock types of the paper's controls: a model with one is for comparison, never converted, folded or adapted
+CONTROL_TYPES = ("gate",)
+KNOCK_INITS = ("identity", "random")  # random: the paper's Sec. 3.3 control (from-scratch A/B only)
 
-# preset name -> (knock_q, knock_k, knock_v); mlp_v is the paper's main (1T-token) setting
+# preset name -> (knock_q, knock_k, knock_v); mlp_v is the paper's main (1T-token) setting. The rest are the rows of
+# its ablation table (75B tokens, A0.8B-6.6B MoE): Linear Q/K/V/QKV, MLP Q/K/V/QKV, and the gate-alone control.
 KNOCK_PRESETS: dict[str, tuple[str, str, str]] = {
     "mlp_v": ("none", "none", "mlp"),
     "linear_v": ("none", "none", "linear"),
     "linear_qkv": ("linear", "linear", "linear"),
     "mlp_v_linear_qk": ("linear", "linear", "mlp"),
+    "linear_q": ("linear", "none", "none"),
+    "linear_k": ("none", "linear", "none"),
+    "mlp_q": ("mlp", "none", "none"),
+    "mlp_k": ("none", "mlp", "none"),
+    "mlp_qkv": ("mlp", "mlp", "mlp"),
+    "gate_v": ("none", "none", "gate"),
 }
 DEFAULT_KNOCK = "mlp_v"
 
@@ -118,7 +131,7 @@ _FILE_KEYS = {"model_type", "architectures", "auto_map", "transformers_version",
 _RUNTIME_KEYS = {"attn_implementation", "experts_implementation", "output_attentions", "name_or_path", "num_labels"}
 
 # The fields KHAConfig adds to its base family's.
-KHA_FIELDS = ("base_model_type", "knock_q", "knock_k", "knock_v", "knock_layers")
+KHA_FIELDS = ("base_model_type", "knock_q", "knock_k", "knock_v", "knock_layers", "knock_init")
 
 # Remote-code entry points written into every saved KHA config (plus the task heads its family has: `auto_map_for`).
 AUTO_MAP = {
@@ -221,7 +234,7 @@ KNOCK_TP_STYLE = {
 
 def _knock_tp_plan(config, family_plan: dict[str, str]) -> dict[str, str]:
     """Tensor-parallel style of every knock matrix, following the style of the projection it follows."""
-    parts = {"linear": [""], "mlp": [".up", ".gate", ".down"], "none": []}
+    parts = {"linear": [""], "mlp": [".up", ".gate", ".down"], "gate": [".gate"], "none": []}
     layout = family_spec(config.base_model_type).layout
     plan = {}
     for projection, blocks in layout.items():
@@ -240,6 +253,14 @@ def _is_base_family(model_type: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def control_refusal(what: str, tool: str) -> str:
+    """The one-line refusal of a control model (gate-only, random init: WHAT says which) by TOOL."""
+    return (
+        f"{what}: one of the paper's controls, which exist to be compared against in from-scratch runs "
+        f"(kha ab --variants gate_v,mlp_v_random); {tool} takes the paper's knocks only (mlp_v, linear_v, ...)"
+    )
 
 
 def resolve_knock_preset(knock: str) -> tuple[str, str, str]:
@@ -269,12 +290,16 @@ class KHAConfig(PreTrainedConfig):
         base_model_type (`str`, defaults to `"llama"`):
             `model_type` of the base family; its fields (hidden_size, num_attention_heads, ...) are passed as
             keyword arguments and validated by that family's config class.
-        knock_q (`str`, defaults to `"none"`): `"none"` or `"linear"`: a shared `head_dim x head_dim` map T^Q on
-            every query head, before the q norm and RoPE (paper Eq. for KHA-Linear).
+        knock_q (`str`, defaults to `"none"`): `"none"`, `"linear"`: a shared `head_dim x head_dim` map T^Q on
+            every query head, before the q norm and RoPE (paper Eq. for KHA-Linear), or `"mlp"` (the paper's
+            MLP-on-Q ablation row, at the same place).
         knock_k (`str`, defaults to `"none"`): same for the key heads (T^K).
-        knock_v (`str`, defaults to `"mlp"`): `"none"`, `"linear"` (T^V) or `"mlp"` (KHA-MLP on values:
-            `2 * ((V W_up) * sigmoid(V W_gate)) W_down`).
+        knock_v (`str`, defaults to `"mlp"`): `"none"`, `"linear"` (T^V), `"mlp"` (KHA-MLP on values:
+            `2 * ((V W_up) * sigmoid(V W_gate)) W_down`) or `"gate"` (the paper's control `2 * (V * sigmoid(V W_gate))`,
+            for from-scratch comparisons only).
         knock_layers (`list[int]`, *optional*): layer indices that get knocks; all layers when `None`.
+        knock_init (`str`, defaults to `"identity"`): `"random"` draws every knock at random (nn.Linear's init) instead
+            of the identity: the paper's Sec. 3.3 control, for from-scratch comparisons only.
         knock (`str`, *optional*): a preset name that sets the three types at once (see `KNOCK_PRESETS`).
 
     All knocks start as the identity, so a fresh KHA model computes exactly what its base model computes.
@@ -290,6 +315,7 @@ class KHAConfig(PreTrainedConfig):
     knock_k: str = "none"
     knock_v: str = "mlp"
     knock_layers: list[int] | None = None
+    knock_init: str = "identity"
     # Declared here because PreTrainedConfig (5.24) keeps only declared fields: without it `use_cache` from the base
     # config would be dropped, and models would return no KV cache.
     use_cache: bool = True
@@ -347,15 +373,18 @@ class KHAConfig(PreTrainedConfig):
             value = getattr(self, f"knock_{target}")
             if value not in allowed:
                 raise ValueError(f"knock_{target}={value!r} is not valid; choose one of: {', '.join(allowed)}")
+        if self.knock_init not in KNOCK_INITS:
+            raise ValueError(f"knock_init={self.knock_init!r} is not valid; choose one of: {', '.join(KNOCK_INITS)}")
         if self.is_multimodal:
             self.knock_layers = self.knock_config.knock_layers  # the text decoder's config validates them
             return
         spec = family_spec(self.base_model_type)
-        if spec.linear_only and "mlp" in (self.knock_q, self.knock_k, self.knock_v):
+        nonlinear = [f"knock_{t}={k!r}" for t, k in zip("qkv", self.knock_types, strict=True) if k in NONLINEAR_TYPES]
+        if spec.linear_only and nonlinear:
             raise ValueError(
                 f"{self.base_model_type} uses multi-head latent attention (MLA), which takes linear knocks only "
-                "(linear_v, linear_qkv): a linear knock is absorbed into the latent projections, the value MLP is "
-                "not (the paper runs KHA-Linear on MLA)"
+                f"(linear_q, linear_k, linear_v, linear_qkv), not {nonlinear[0]}: a linear knock is absorbed into the "
+                "latent projections, an MLP or gate is not (the paper runs KHA-Linear on MLA)"
             )
         knock_dims(self, spec.layout)  # every knocked size is a positive integer
         if self.knock_layers is not None:
@@ -393,6 +422,8 @@ class KHAConfig(PreTrainedConfig):
         # (and the converter, fold and inspect tools) should not need to know those defaults.
         for name in KHA_FIELDS:
             output[name] = getattr(self, name)
+        if self.knock_init == "identity":
+            output.pop("knock_init")  # the default, and what every checkpoint before it meant: written only when not
         return output
 
     # -- derived views -------------------------------------------------------------------------------------------
@@ -417,6 +448,7 @@ class KHAConfig(PreTrainedConfig):
                 f"KHA supports: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
             )
         types = {f"knock_{t}": getattr(self, f"knock_{t}") for t in KNOCK_TYPES}
+        types["knock_init"] = self.knock_init
         return KHAConfig.from_base(text, knock=None, knock_layers=self.knock_layers, **types)
 
     @property
@@ -440,6 +472,26 @@ class KHAConfig(PreTrainedConfig):
     def kha_head_dim(self) -> int:
         """Per-head feature size of the value knock (d_h for every family but MLA); see `knock_dims`."""
         return self.knock_dims["v"]
+
+    @property
+    def knock_types(self) -> tuple[str, str, str]:
+        """(knock_q, knock_k, knock_v)."""
+        return (self.knock_q, self.knock_k, self.knock_v)
+
+    @property
+    def control_knocks(self) -> str | None:
+        """None for a model made of the paper's knocks; else what makes it one of its controls, in words (a gate-only
+        value knock, random initialisation): such a model exists to be compared against, never converted."""
+        if "gate" in self.knock_types:
+            return "its value knock is the gate-only control (gate_v)"
+        if self.knock_init == "random":
+            return "its knocks were initialised at random (knock_init='random')"
+        return None
+
+    @property
+    def nonlinear_targets(self) -> list[str]:
+        """The targets (q / k / v) whose knock is not one matrix (an MLP or the gate): no fold, merge or GGUF."""
+        return [t for t, kind in zip("qkv", self.knock_types, strict=True) if kind in NONLINEAR_TYPES]
 
     @property
     def knock_preset(self) -> str | None:
@@ -478,7 +530,8 @@ class KHAConfig(PreTrainedConfig):
             base_config: the stock config, e.g. `Qwen3Config(...)` or `AutoConfig.from_pretrained(...).to_dict()`.
             knock: a preset of `kha_hf.KNOCK_PRESETS` (default `mlp_v`), or `None` for the fields' defaults.
             knock_layers: the layer indices to knock (default: every softmax-attention layer).
-            **knock_types: `knock_q=`, `knock_k=`, `knock_v=`: `"none"`, `"linear"` or `"mlp"`.
+            **knock_types: `knock_q=`, `knock_k=`, `knock_v=`: `"none"`, `"linear"` or `"mlp"` (`"gate"` on v);
+                `knock_init=`: `"identity"` (default) or `"random"`.
 
         Returns:
             A `KHAConfig` with every field of the base config and `base_model_type` set to its `model_type`.
@@ -486,14 +539,14 @@ class KHAConfig(PreTrainedConfig):
         Raises:
             ValueError: the config is a KHA config already, its family is not supported (the message names the
                 supported ones), or the knocks do not fit it (an MLP knock on MLA).
-            TypeError: a keyword other than `knock_q`, `knock_k`, `knock_v`.
+            TypeError: a keyword other than `knock_q`, `knock_k`, `knock_v`, `knock_init`.
         """
         base = base_config if isinstance(base_config, dict) else base_config.to_dict()
         model_type = base.get("model_type")
         if model_type == cls.model_type:
             raise ValueError("this config is already a KHA config")
         base_config_class(model_type)  # ValueError naming the supported families
-        unknown = set(knock_types) - {f"knock_{t}" for t in KNOCK_TYPES}
+        unknown = set(knock_types) - {f"knock_{t}" for t in KNOCK_TYPES} - {"knock_init"}
         if unknown:
             raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")
         fields = {k: v for k, v in base.items() if k not in _FILE_KEYS}

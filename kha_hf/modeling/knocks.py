@@ -1,7 +1,8 @@
 """The knock modules of Knocking-Heads Attention (arXiv 2510.23052, Sec. 3).
 
 A knock is shared by all heads of one layer and acts on each head's features, i.e. on the last dimension of a
-(B, T, n_heads, d_h) tensor, right after the q/k/v projection. Both kinds start as the exact identity.
+(B, T, n_heads, d_h) tensor, right after the q/k/v projection. Every kind starts as the exact identity, except under
+the paper's random-initialisation control (`init="random"`, Sec. 3.3), which only from-scratch A/B runs use.
 
 This file is copied next to saved checkpoints (remote code): it may import only torch and siblings.
 """
@@ -11,16 +12,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+KNOCK_STARTS = ("identity", "zeros", "random")
+
 
 class KnockLinear(nn.Linear):
-    """A bias-free d_h x d_h linear map with a fixed starting value: the identity or zeros.
+    """A bias-free d_h x d_h linear map with a fixed starting value: the identity, zeros, or (the paper's Sec. 3.3
+    control) nn.Linear's own random draw, kaiming-uniform with bound 1/sqrt(d_h), from torch's global generator.
 
     Follows the nn.Linear convention, so `weight` holds T transposed: `forward(x) = x @ T = x @ weight.T`.
     """
 
     def __init__(self, head_dim: int, start: str = "identity", device=None, dtype=None) -> None:
-        if start not in ("identity", "zeros"):
-            raise ValueError(f"start must be 'identity' or 'zeros', got {start!r}")
+        if start not in KNOCK_STARTS:
+            raise ValueError(f"start must be one of {', '.join(KNOCK_STARTS)}, got {start!r}")
         self.start = start  # read by reset_parameters, which nn.Linear.__init__ calls
         super().__init__(head_dim, head_dim, bias=False, device=device, dtype=dtype)
 
@@ -32,33 +36,53 @@ class KnockLinear(nn.Linear):
         with torch.no_grad():
             if self.start == "identity":
                 nn.init.eye_(self.weight)
-            else:
+            elif self.start == "zeros":
                 nn.init.zeros_(self.weight)
+            else:
+                super().reset_parameters()  # nn.Linear's draw: what "random initialisation" means for a layer
+
+
+def _start(start: str, random: bool) -> str:
+    return "random" if random else start
 
 
 class LinearKnock(KnockLinear):
     """KHA-Linear: `X~_i = X_i T` for every head i, T initialised to the identity (diagonal initialisation)."""
 
-    def __init__(self, head_dim: int, device=None, dtype=None) -> None:
-        super().__init__(head_dim, "identity", device=device, dtype=dtype)
+    def __init__(self, head_dim: int, device=None, dtype=None, random: bool = False) -> None:
+        super().__init__(head_dim, _start("identity", random), device=device, dtype=dtype)
 
 
 class MLPKnock(nn.Module):
-    """KHA-MLP: `V~_i = 2 * ((V_i W_up) * sigmoid(V_i W_gate)) W_down`, shared by all heads.
+    """KHA-MLP: `X~_i = 2 * ((X_i W_up) * sigmoid(X_i W_gate)) W_down`, shared by all heads; the paper's value MLP,
+    and its Q-only, K-only and QKV ablation rows on the other targets.
 
     W_up = W_down = I and W_gate = 0 at init, so `2 * sigmoid(0) = 1` and the module is exactly the identity.
     """
 
-    def __init__(self, head_dim: int, device=None, dtype=None) -> None:
+    def __init__(self, head_dim: int, device=None, dtype=None, random: bool = False) -> None:
         super().__init__()
-        self.up = KnockLinear(head_dim, "identity", device=device, dtype=dtype)
-        self.gate = KnockLinear(head_dim, "zeros", device=device, dtype=dtype)
-        self.down = KnockLinear(head_dim, "identity", device=device, dtype=dtype)
+        self.up = KnockLinear(head_dim, _start("identity", random), device=device, dtype=dtype)
+        self.gate = KnockLinear(head_dim, _start("zeros", random), device=device, dtype=dtype)
+        self.down = KnockLinear(head_dim, _start("identity", random), device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (B, T, n_heads, d_h). The factor 2 multiplies the gate (2 * 0.5 = 1 exactly) rather than the output,
         # so the identity at init is bit-exact even for subnormal inputs.
         return self.down(self.up(x) * (2.0 * torch.sigmoid(self.gate(x))))
+
+
+class GateKnock(nn.Module):
+    """The paper's "gate alone on V" control (its ablation row that hurt, +0.063): `V~_i = 2 * (V_i ⊙ sigmoid(V_i
+    W_gate))`, W_gate shared by all heads. W_gate = 0 at init, so the module is exactly the identity. Not a knock
+    anyone should ship: it exists to be compared against (`gate_v`, from-scratch A/B runs only)."""
+
+    def __init__(self, head_dim: int, device=None, dtype=None, random: bool = False) -> None:
+        super().__init__()
+        self.gate = KnockLinear(head_dim, _start("zeros", random), device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (2.0 * torch.sigmoid(self.gate(x)))  # (B, T, n_heads, d_h); 2 * sigmoid(0) = 1 exactly
 
 
 def apply_knock_plan(plan: tuple, states: torch.Tensor, owner: nn.Module) -> torch.Tensor:
@@ -112,14 +136,18 @@ def fold_projection(weight: torch.Tensor, knock: torch.Tensor, rows: list[tuple[
     return out
 
 
-def build_knock(kind: str, head_dim: int | None) -> nn.Module | None:
-    """'none' -> None, 'linear' -> LinearKnock, 'mlp' -> MLPKnock, acting on HEAD_DIM features."""
+KNOCK_CLASSES = {"linear": LinearKnock, "mlp": MLPKnock, "gate": GateKnock}
+
+
+def build_knock(kind: str, head_dim: int | None, init: str = "identity") -> nn.Module | None:
+    """'none' -> None, 'linear' -> LinearKnock, 'mlp' -> MLPKnock, 'gate' -> GateKnock, acting on HEAD_DIM features;
+    INIT 'identity' (every knock of a convertible model) or 'random' (the paper's Sec. 3.3 control)."""
     if kind == "none":
         return None
     if head_dim is None:
         raise ValueError(f"a {kind} knock needs the size of the features it acts on")
-    if kind == "linear":
-        return LinearKnock(head_dim)
-    if kind == "mlp":
-        return MLPKnock(head_dim)
-    raise ValueError(f"unknown knock type {kind!r}; choose one of: none, linear, mlp")
+    if kind not in KNOCK_CLASSES:
+        raise ValueError(f"unknown knock type {kind!r}; choose one of: none, {', '.join(KNOCK_CLASSES)}")
+    if init not in ("identity", "random"):
+        raise ValueError(f"knock_init must be 'identity' or 'random', got {init!r}")
+    return KNOCK_CLASSES[kind](head_dim, random=init == "random")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -140,7 +141,7 @@ class KnockedAttention(nn.Module):
         knocked = layer_idx in config.knocked_layers
         for target in TARGETS:
             kind = getattr(config, f"knock_{target}") if knocked and target in dims else "none"
-            setattr(self, f"{target}_knock", build_knock(kind, dims.get(target)))
+            setattr(self, f"{target}_knock", build_knock(kind, dims.get(target), config.knock_init))
         plans = {}
         for projection, blocks in self._kha_layout.items():
             module = getattr(self, projection, None)
@@ -317,10 +318,11 @@ class KHAPreTrainedModel(PreTrainedModel):
 
         Args:
             base_model: a stock transformers model of a supported family (`kha_hf.SUPPORTED_BASE_MODEL_TYPES`).
-            knock: a preset (`mlp_v`, the default, `linear_v`, `linear_qkv`, `mlp_v_linear_qk`; `kha_hf.KNOCK_PRESETS`).
+            knock: a preset (`mlp_v`, the default, `linear_v`, `linear_qkv`, `mlp_qkv`, ...; `kha_hf.KNOCK_PRESETS`).
             knock_layers: the layer indices to knock (default: every softmax-attention layer).
-            **knock_types: `knock_q=`, `knock_k=`, `knock_v=` (`"none"`, `"linear"` or `"mlp"`) override single
-                targets of the preset.
+            **knock_types: `knock_q=`, `knock_k=`, `knock_v=` (`"none"`, `"linear"`, `"mlp"`; `"gate"` on v) override
+                single targets of the preset; `knock_init="random"` draws the knocks at random (the paper's Sec. 3.3
+                control: the outputs then differ from the base model's).
 
         Returns:
             The KHA model of the base's family, on its device and in its dtype; each knock map is
@@ -382,8 +384,10 @@ class KHAPreTrainedModel(PreTrainedModel):
                 return  # built without storage (vLLM's loader): real values are loaded or initialised later
             if module.start == "identity":
                 init.eye_(module.weight)
-            else:
+            elif module.start == "zeros":
                 init.zeros_(module.weight)
+            else:  # knock_init="random": nn.Linear's own draw (KnockLinear.reset_parameters)
+                init.kaiming_uniform_(module.weight, a=math.sqrt(5))
         else:
             super()._init_weights(module)
 

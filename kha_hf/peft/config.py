@@ -10,7 +10,7 @@ from typing import Any
 from peft.config import PeftConfig
 from peft.utils import PeftType
 
-from ..modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS, KNOCK_TYPES
+from ..modeling.configuration_kha import CONTROL_TYPES, DEFAULT_KNOCK, KNOCK_PRESETS, KNOCK_TYPES, control_refusal
 
 KNOCK_PEFT_TYPE = "KNOCK"  # the adapter type in adapter_config.json; transformers keys adapters by its lower case
 MAX_KNOCK_LAYERS = 100_000  # far beyond any model; bounds a hostile adapter_config.json before anything is built
@@ -64,8 +64,8 @@ class KnockConfig(PeftConfig):
     """
 
     knock: str = field(default=DEFAULT_KNOCK, metadata={"help": f"knock preset, one of {', '.join(KNOCK_PRESETS)}"})
-    knock_q: str | None = field(default=None, metadata={"help": "override the query knock: none or linear"})
-    knock_k: str | None = field(default=None, metadata={"help": "override the key knock: none or linear"})
+    knock_q: str | None = field(default=None, metadata={"help": "override the query knock: none, linear or mlp"})
+    knock_k: str | None = field(default=None, metadata={"help": "override the key knock: none, linear or mlp"})
     knock_v: str | None = field(default=None, metadata={"help": "override the value knock: none, linear or mlp"})
     knock_layers: list[int] | None = field(default=None, metadata={"help": "layer indices; all when unset"})
     target_modules: Any = field(default=None, metadata={"help": "derived from the model; any value is replaced"})
@@ -97,10 +97,16 @@ class KnockConfig(PeftConfig):
             )
         for target, allowed in KNOCK_TYPES.items():
             value = getattr(self, f"knock_{target}")
+            allowed = tuple(kind for kind in allowed if kind not in CONTROL_TYPES)
             if value is not None and value not in allowed:
                 raise ValueError(
                     f"KnockConfig: knock_{target}={value!r} is not valid; choose one of {', '.join(allowed)}"
                 )
+        controls = [kind for kind in self.knock_types.values() if kind in CONTROL_TYPES]
+        if controls:  # the gate_v preset: a control of the paper's from-scratch ablation, not an adapter
+            raise ValueError(
+                "KnockConfig: " + control_refusal(f"knock={self.knock!r} is the gate-only control", "a knock adapter")
+            )
         if not isinstance(self.init_weights, bool):
             raise ValueError(f"KnockConfig: init_weights must be True or False, got {self.init_weights!r}")
         if self.layers_pattern not in (None, "layers", ["layers"]):

@@ -14,6 +14,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
+from ..modeling.configuration_kha import TARGET_WORDS
 from ..modeling.families import TARGETS, segment_rows
 from ..modeling.knocks import apply_knock_plan, build_knock, fold_projection
 
@@ -116,8 +117,8 @@ class KnockLayer(nn.Module, BaseTunerLayer):
                 continue
             if not isinstance(knock, nn.Linear):
                 raise ValueError(
-                    f"adapter {name!r}: the {target} knock is an MLP (KHA-MLP), which is non-linear and cannot be "
-                    "merged into the projection; make a KHA model of base + adapter instead "
+                    f"adapter {name!r}: the {TARGET_WORDS[target]} knock is an MLP (KHA-MLP), which is non-linear and "
+                    "cannot be merged into the projection; make a KHA model of base + adapter instead "
                     "(`kha_hf.peft.to_kha_model(peft_model)`, then save_pretrained), which kha serve and vLLM serve"
                 )
             if not torch.isfinite(knock.weight).all():  # PEFT's own wording (its tests and users match it)

@@ -152,10 +152,10 @@ def knock_placements(model: nn.Module, config: KnockConfig) -> dict[str, dict[st
         raise ValueError(f"this knock adapter was made for a {config.base_model_type} model, not {model_type}")
     spec = family_spec(model_type)
     types = config.knock_types
-    if spec.linear_only and "mlp" in types.values():
+    if spec.linear_only and any(kind != "linear" for kind in types.values()):
         raise ValueError(
             f"{model_type} uses multi-head latent attention (MLA), which takes linear knocks only "
-            "(linear_v, linear_qkv)"
+            "(linear_q, linear_k, linear_v, linear_qkv)"
         )
     view = SimpleNamespace(**model_config.to_dict())  # sizes as KHAConfig reads them (head_dim defaults included)
     dims = knock_dims(view, spec.layout)

@@ -264,6 +264,9 @@ class _KHALoading:
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         top = vllm_config.model_config.hf_config
         config = top.knock_config  # the text decoder's KHA config (the same config for a text-only model)
+        if "gate" in (config.knock_q, config.knock_k, config.knock_v):
+            # the paper's gate-only control is for from-scratch comparisons (kha ab): refused before vLLM builds it
+            raise ValueError(f"{TAG}: the value knock is the gate-only control (gate_v), not served")
         try:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         except Exception as err:  # one line that names the family; vLLM prints the chain above it

@@ -41,8 +41,10 @@ def test_unsupported_base_family_names_the_supported_ones():
 def test_invalid_preset_and_target_type():
     with pytest.raises(ValueError, match="unknown knock preset 'mlp_everything'.*mlp_v"):
         KHAConfig.from_base(LlamaConfig(num_hidden_layers=2), knock="mlp_everything")
-    with pytest.raises(ValueError, match="knock_q='mlp' is not valid.*none, linear"):
-        KHAConfig.from_base(LlamaConfig(num_hidden_layers=2), knock_q="mlp")
+    with pytest.raises(ValueError, match="knock_q='gate' is not valid.*none, linear, mlp$"):
+        KHAConfig.from_base(LlamaConfig(num_hidden_layers=2), knock_q="gate")  # the gate control is on V only
+    with pytest.raises(ValueError, match="knock_init='orthogonal' is not valid.*identity, random"):
+        KHAConfig.from_base(LlamaConfig(num_hidden_layers=2), knock_init="orthogonal")
     with pytest.raises(ValueError, match="knock_v='conv'"):
         KHAConfig.from_base(LlamaConfig(num_hidden_layers=2), knock_v="conv")
 

@@ -33,7 +33,12 @@ IDS = torch.tensor([[3, 9, 27, 81, 5, 15, 45, 7, 21], [4, 8, 16, 32, 64, 1, 2, 1
 
 
 def presets(family: str) -> list[str]:
-    return ["linear_v", "linear_qkv"] if family in MLA_FAMILIES else ["mlp_v", "linear_qkv", "mlp_v_linear_qk"]
+    """Every kind on every target, and none on each: MLA takes linear knocks only (the paper's), the others every
+    kind, the MLP on Q and K included (mlp_qkv) and the gate-only value control (gate_v); mlp_v is a cut of
+    mlp_v_linear_qk."""
+    if family in MLA_FAMILIES:
+        return ["linear_v", "linear_qkv"]
+    return ["linear_qkv", "mlp_v_linear_qk", "gate_v", "mlp_qkv"]
 
 
 def test_the_table_is_what_the_tests_cover():
@@ -62,6 +67,8 @@ def _reference_knock(knock, x):
     if hasattr(knock, "up"):
         up, gate, down = knock.up.weight.T, knock.gate.weight.T, knock.down.weight.T
         return 2 * ((x @ up) * torch.sigmoid(x @ gate)) @ down
+    if hasattr(knock, "gate"):  # the paper's gate-only control: 2 (x ⊙ sigmoid(x W_gate))
+        return 2 * (x * torch.sigmoid(x @ knock.gate.weight.T))
     return x @ knock.weight.T
 
 
@@ -192,6 +199,11 @@ def test_mla_refuses_the_value_mlp_in_one_line():
 
     with pytest.raises(ValueError, match="multi-head latent attention.*linear knocks only"):
         KHAConfig.from_base(tiny_base_model("deepseek_v3").config, knock="mlp_v")
+    for preset in ("mlp_q", "mlp_k", "mlp_qkv", "gate_v"):  # the paper runs KHA-Linear on MLA, nothing else
+        with pytest.raises(ValueError, match=r"multi-head latent attention.*linear knocks only.*, not knock_"):
+            KHAConfig.from_base(tiny_base_model("deepseek_v3").config, knock=preset)
+    for preset in ("linear_q", "linear_k"):
+        assert KHAConfig.from_base(tiny_base_model("deepseek_v3").config, knock=preset).knock_preset == preset
 
 
 def test_hybrid_models_knock_only_their_softmax_attention_layers():

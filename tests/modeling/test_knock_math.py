@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from kha_hf import KNOCK_PRESETS, KHAForCausalLM
-from tests.helpers import FAMILIES, assert_close, randomize_knocks, tiny_base_model
+from tests.helpers import FAMILIES, KIND_PRESETS, assert_close, randomize_knocks, tiny_base_model
 
 
 def _knock(module, x):
@@ -17,6 +17,8 @@ def _knock(module, x):
     if hasattr(module, "up"):
         up, gate, down = module.up.weight.T, module.gate.weight.T, module.down.weight.T
         return 2 * ((x @ up) * torch.sigmoid(x @ gate)) @ down
+    if hasattr(module, "gate"):  # the paper's gate-only control
+        return 2 * (x * torch.sigmoid(x @ module.gate.weight.T))
     return x @ module.weight.T
 
 
@@ -53,7 +55,7 @@ def reference_attention(attn, x, cos, sin):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("preset", sorted(KNOCK_PRESETS))
+@pytest.mark.parametrize("preset", KIND_PRESETS)
 def test_attention_matches_plain_reference_with_random_knocks(family, preset, attn):
     model = KHAForCausalLM.from_base(tiny_base_model(family, attn), knock=preset)
     randomize_knocks(model)
@@ -71,7 +73,7 @@ def test_attention_matches_plain_reference_with_random_knocks(family, preset, at
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("preset", sorted(KNOCK_PRESETS))
+@pytest.mark.parametrize("preset", KIND_PRESETS)
 def test_non_identity_knocks_change_logits(family, preset):
     base = tiny_base_model(family)
     model = KHAForCausalLM.from_base(copy.deepcopy(base), knock=preset)
@@ -86,3 +88,12 @@ def test_knock_layers_limits_knocks_to_those_layers():
     model = KHAForCausalLM.from_base(tiny_base_model("qwen3"), knock="linear_qkv", knock_layers=[0, 2])
     present = [layer.self_attn.v_knock is not None for layer in model.model.layers]
     assert present == [True, False, True]
+
+
+def test_the_kind_presets_cover_every_type_on_every_target():
+    """Every preset's type on every target is some KIND_PRESETS preset's type there: the per-family tests, which run
+    the kind presets only, cover every preset's knocks."""
+    covered = {(target, KNOCK_PRESETS[p][i]) for p in KIND_PRESETS for i, target in enumerate("qkv")}
+    for preset, types in KNOCK_PRESETS.items():
+        missing = [(t, kind) for t, kind in zip("qkv", types, strict=True) if (t, kind) not in covered]
+        assert missing == [], f"{preset}: {missing} is in no preset the per-family tests run"

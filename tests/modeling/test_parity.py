@@ -7,9 +7,9 @@ import torch
 import transformers
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from kha_hf import KNOCK_PRESETS, KHAForCausalLM
+from kha_hf import KHAForCausalLM
 from kha_hf.modeling.knocks import KnockLinear
-from tests.helpers import FAMILIES, assert_close, randomize_knocks, tiny_base_model
+from tests.helpers import FAMILIES, KIND_PRESETS, assert_close, randomize_knocks, tiny_base_model
 
 ATTN = ["eager", "sdpa"]
 
@@ -31,7 +31,7 @@ def _assert_knocks_at_init(model) -> None:
 
 @pytest.mark.parametrize("attn", ATTN)
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("preset", sorted(KNOCK_PRESETS))
+@pytest.mark.parametrize("preset", KIND_PRESETS)
 def test_from_base_logits_equal(family, attn, preset):
     base = tiny_base_model(family, attn)
     reference = copy.deepcopy(base)

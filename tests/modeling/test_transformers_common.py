@@ -84,8 +84,10 @@ class KHAModelTester:
             eos_token_id=2,
         )
         base = self.base_config(**{**fields, **self.family_fields})
-        # all three knocks, both kinds (MLA: linear knocks only)
-        return KHAConfig.from_base(base, knock="linear_qkv" if base.model_type in MLA_FAMILIES else "mlp_v_linear_qk")
+        # all three knocks, both kinds, an MLP on Q among them (MLA: linear knocks only)
+        if base.model_type in MLA_FAMILIES:
+            return KHAConfig.from_base(base, knock="linear_qkv")
+        return KHAConfig.from_base(base, knock=None, knock_q="mlp", knock_k="linear", knock_v="mlp")
 
     def prepare_config_and_inputs_for_common(self) -> tuple[KHAConfig, dict[str, torch.Tensor]]:
         input_ids = common.ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
@@ -158,7 +160,7 @@ class _KHACommonTests(common.ModelTesterMixin):
         # The point of this class: if the perturbation stopped applying, every test below would only see identities.
         config = self.model_tester.get_config()
         model = KHAForCausalLM(config)
-        knock = model.model.layers[config.knocked_layers[0]].self_attn.q_knock
+        knock = model.model.layers[config.knocked_layers[0]].self_attn.k_knock  # linear in every family's config here
         self.assertGreater((knock.weight - torch.eye(knock.weight.shape[0])).abs().max().item(), 0.1)
 
 

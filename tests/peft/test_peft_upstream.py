@@ -44,8 +44,12 @@ STAND_INS = {
     "tiny-random-Phi3ForCausalLM": "phi3",
     "tiny-random-Qwen3ForCausalLM": "qwen3",
 }
+# The presets that differ in kind (the rest are single-target cuts of these; gate_v is a control, refused by
+# KnockConfig): every preset would make this file 2.5 times slower for no new code path.
+UPSTREAM_PRESETS = ("mlp_v", "linear_v", "linear_qkv", "mlp_v_linear_qk", "mlp_qkv")
+assert set(UPSTREAM_PRESETS) <= set(KNOCK_PRESETS)
 CONFIGS = [
-    pytest.param(KnockConfig, {"task_type": "CAUSAL_LM", "knock": preset}, id=preset) for preset in KNOCK_PRESETS
+    pytest.param(KnockConfig, {"task_type": "CAUSAL_LM", "knock": preset}, id=preset) for preset in UPSTREAM_PRESETS
 ]
 MLP_PRESETS = {preset for preset in KNOCK_PRESETS if "mlp" in preset}
 

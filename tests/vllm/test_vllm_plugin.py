@@ -41,8 +41,13 @@ CASES = {
     "llama_bias-linear_qkv": ("llama_bias", "linear_qkv"),
     "phi3-linear_qkv": ("phi3", "linear_qkv"),
     "qwen3-linear_qkv": ("qwen3", "linear_qkv"),
+    "qwen3-mlp_qkv": ("qwen3", "mlp_qkv"),  # the paper's MLP on Q, K and V (its ablation row)
 }
-KNOCKS = {"mlp_v": "q none, k none, v mlp", "linear_qkv": "q linear, k linear, v linear"}
+KNOCKS = {
+    "mlp_v": "q none, k none, v mlp",
+    "linear_qkv": "q linear, k linear, v linear",
+    "mlp_qkv": "q mlp, k mlp, v mlp",
+}
 POISON = 'raise RuntimeError("kha-hf test: the checkpoint folder\'s code was executed")\n'
 
 
@@ -137,7 +142,7 @@ def test_plugin_resolves_kha_to_its_classes(plugin_run):
         assert line in log, f"{name}: no plugin line {line!r}"
     # MLP value knocks with their down map folded into o_proj (value_fold): every layer of both MLP checkpoints
     # (qwen3, qwen3_moe: the value projection holds the value heads alone, o_proj right after the kernel)
-    mlp = sum(preset == "mlp_v" for _, preset in CASES.values())
+    mlp = sum(preset in ("mlp_v", "mlp_qkv") for _, preset in CASES.values())
     layers = tiny_config("qwen3").num_hidden_layers
     line = f"kha-hf plugin: {layers} MLP value knocks run as up+gate matmul and glu, down folded into o_proj"
     assert log.count(line) == mlp, log[-3000:]
@@ -227,12 +232,21 @@ def test_plugin_refuses_broken_knocks_at_load(plugin_checkpoints, vllm_env, vllm
         weights[knock] = edit(weights[knock])
         save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
         broken[name] = (folder, knock)
+    # the paper's gate-only control (kha ab --variants gate_v) is not a model to serve: refused before vLLM builds it
+    config = tiny_config("qwen3")
+    config.vocab_size, config.head_dim = 300, 32
+    KHAForCausalLM.from_base(AutoModelForCausalLM.from_config(config), knock="gate_v").save_pretrained(
+        tmp_path / "gate"
+    )
+    save_tiny_tokenizer(tmp_path / "gate")
+    broken["gate"] = (tmp_path / "gate", None)
     cases = {name: (folder, *plugin_checkpoints["qwen3-mlp_v"][1:]) for name, (folder, _) in broken.items()}
     (tmp_path / "job").mkdir()
     out = run_worker(vllm_env, job(cases, sorted(cases)), tmp_path / "job", env=with_plugin())
     errors = {name: out[str(folder)].get("error", "") for name, (folder, _) in broken.items()}  # what LLM(...) raised
     assert f"KHA checkpoint refused: the knock weight {broken['nan'][1]} holds NaN" in errors["nan"], errors
     assert f"KHA checkpoint refused: {broken['cut'][1]} (torch.float32, shape (32, 1)) is not a linear" in errors["cut"]
+    assert "the value knock is the gate-only control (gate_v), not served" in errors["gate"], errors
     for folder, _ in broken.values():
         assert "tokens" not in out[str(folder)], f"{folder.name}: broken knocks were served"
 

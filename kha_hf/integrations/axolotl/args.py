@@ -18,7 +18,8 @@ from ...modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
 from ...modeling.families import FAMILIES, attention_layers
 
 KNOCK_ADAPTER = "knock"  # the `adapter:` value the plugin adds
-Preset = Literal[tuple(KNOCK_PRESETS)]  # type: ignore[valid-type]
+# the paper's gate-only control (gate_v) is for from-scratch A/B runs, not an adapter
+Preset = Literal[tuple(p for p in KNOCK_PRESETS if "gate" not in KNOCK_PRESETS[p])]  # type: ignore[valid-type]
 
 
 class KnockArgs(BaseModel):
@@ -26,9 +27,9 @@ class KnockArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a misspelt key (`presets:`) fails, naming it
 
-    preset: Preset = Field(default=DEFAULT_KNOCK, description=f"a KnockConfig preset: {', '.join(KNOCK_PRESETS)}")
-    knock_q: Literal["none", "linear"] | None = Field(default=None, description="override the query knock")
-    knock_k: Literal["none", "linear"] | None = Field(default=None, description="override the key knock")
+    preset: Preset = Field(default=DEFAULT_KNOCK, description=f"a KnockConfig preset: {', '.join(Preset.__args__)}")
+    knock_q: Literal["none", "linear", "mlp"] | None = Field(default=None, description="override the query knock")
+    knock_k: Literal["none", "linear", "mlp"] | None = Field(default=None, description="override the key knock")
     knock_v: Literal["none", "linear", "mlp"] | None = Field(default=None, description="override the value knock")
     # strict: "7" or 7.0 would be coerced after the layer check below had skipped them; [] would knock nothing
     layers: list[StrictInt] | None = Field(
