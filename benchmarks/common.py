@@ -15,7 +15,19 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from kha_hf import KHAForCausalLM
 
-PRESETS = ["mlp_v", "linear_v", "linear_qkv", "mlp_v_linear_qk"]
+# the method's presets, then the paper's ablation rows (MLP on Q, K, QKV; linear on Q, K; the gate-only control)
+PRESETS = [
+    "mlp_v",
+    "linear_v",
+    "linear_qkv",
+    "mlp_v_linear_qk",
+    "mlp_q",
+    "mlp_k",
+    "mlp_qkv",
+    "linear_q",
+    "linear_k",
+    "gate_v",
+]
 
 
 def header(title: str, device: str) -> str:

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from ._common import MAX_BATCH, MAX_SEQ_LEN, MAX_STEPS, HelpFormatter, bounded_int, non_negative_float, seed_int
+from ..training.spikes import SPIKE_MARGIN
+from ._common import (
+    MAX_BATCH,
+    MAX_SEQ_LEN,
+    MAX_STEPS,
+    HelpFormatter,
+    bounded_int,
+    non_negative_float,
+    positive_float,
+    seed_int,
+)
 
 
 def add_parser(sub) -> None:
@@ -69,6 +79,20 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--logging-steps", type=bounded_int(MAX_STEPS), default=None, help="log interval (default: 20 logs a run)"
     )
+    p.add_argument(
+        "--logit-every",
+        type=bounded_int(MAX_STEPS),
+        metavar="K",
+        help="measure each layer's largest attention logit every K steps (default: 50 times per run); every step "
+        "records its loss, gradient norms and learning rate in OUTPUT/stability.jsonl",
+    )
+    p.add_argument(
+        "--spike-margin",
+        type=positive_float,
+        default=SPIKE_MARGIN,
+        help="a loss spike: a step's loss above (1 + margin) x the median of the previous 100 steps (default: "
+        "%(default)s); counted into train_results.json",
+    )
     p.add_argument("--lora-r", type=bounded_int(MAX_BATCH), default=16, help="LoRA rank (--mode lora)")
     p.add_argument(
         "--max-eval-blocks", type=bounded_int(MAX_STEPS), default=256, help="held-out blocks evaluated at the end"
@@ -105,5 +129,7 @@ def run(args) -> int:
         tokenizer=args.tokenizer,
         overwrite=args.overwrite,
         knock=args.knock,
+        logit_every=args.logit_every,
+        spike_margin=args.spike_margin,
     )
     return 0

@@ -47,6 +47,8 @@ from .guards import (
 )
 from .modes import DEFAULT_LR, prepare_for_mode
 from .run_dir import run_output_dir
+from .spikes import SPIKE_MARGIN, check_spike_margin
+from .stability import STABILITY_FILE, read_stability_lines, stability_metrics
 from .trainer import CheckpointCodeCallback, KHATrainer
 
 
@@ -64,7 +66,7 @@ class TrainResult:
 def check_training_numbers(**numbers: int | None) -> None:
     """Step counts and sizes must be positive integers (the CLI checks too; this guards API callers)."""
     for name, value in numbers.items():
-        if value is not None and (not isinstance(value, int) or value <= 0):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise KHAError(f"{name} must be a positive integer, got {value!r}")
 
 
@@ -156,6 +158,8 @@ def train(
     tokenizer: str | Path | None = None,
     overwrite: bool = False,
     knock: str | None = None,
+    logit_every: int | None = None,
+    spike_margin: float = SPIKE_MARGIN,
 ) -> TrainResult:
     """Train MODEL_PATH (a KHA checkpoint, or a config or preset: new weights) and save it to OUTPUT_DIR.
 
@@ -167,7 +171,13 @@ def train(
     temporary sibling that becomes OUTPUT_DIR when the model is saved, so an interrupted run or save leaves any
     earlier OUTPUT_DIR as it was; an interrupted run with checkpoints is kept for `resume`.
     """
-    check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum)
+    check_training_numbers(
+        max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, logit_every=logit_every
+    )
+    try:
+        spike_margin = check_spike_margin(spike_margin)
+    except ValueError as err:
+        raise KHAError(str(err)) from err
     for name, value in (("lr", lr), ("knock_lr", knock_lr)):
         if value is not None and not value >= 0:
             raise KHAError(f"{name} must be >= 0, got {value}")
@@ -266,9 +276,11 @@ def train(
             data_collator=default_data_collator,  # blocks are all seq_len long: nothing to pad, no pad token needed
             callbacks=[CheckpointCodeCallback(), StopOnNonFiniteLoss()],
             knock_lr=knock_lr,
+            stability_every=logit_every or max(1, max_steps // 50),
         )
         if trainer.is_world_process_zero():
             write_run_record(work, record)  # what --resume checks: the same corpus, seed and block length
+            trainer.stability.append_to(work / STABILITY_FILE)  # per step: loss, gradient norms, lr, logits
         before = trainer.evaluate()["eval_loss"] if eval_before else None
         try:
             output = trainer.train(resume_from_checkpoint=checkpoint)
@@ -279,6 +291,8 @@ def train(
         metrics = trainer.evaluate()
         heldout = metrics["eval_loss"]
         check_training_result(output.global_step, output.training_loss, heldout, model)  # keeps no bad model
+        if trainer.is_world_process_zero():
+            output.metrics.update(stability_metrics(read_stability_lines(work / STABILITY_FILE), spike_margin))
         trainer.save_metrics("train", output.metrics)  # train_results.json, eval_results.json: as HF's examples do
         trainer.save_metrics("eval", metrics)
         adapter_dir = None

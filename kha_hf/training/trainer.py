@@ -15,6 +15,7 @@ from ..data.order import GlobalBlockOrder
 from .engine_checks import StartCheck
 from .params import is_knock_parameter, knock_distance_from_init, optimizer_param_groups
 from .progress import use_readable_progress
+from .stability import StabilityLog, gradient_norm, stability_callback, stop_probing
 
 
 class KHATrainer(Trainer):
@@ -36,8 +37,12 @@ class KHATrainer(Trainer):
         `KHATrainer(model, TrainingArguments("out", weight_decay=0.1), train_dataset=data, knock_lr=1e-3).train()`
     """
 
-    def __init__(self, *args, knock_lr: float | None = None, **kwargs) -> None:
+    def __init__(self, *args, knock_lr: float | None = None, stability_every: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # per-step loss, gradient norms and learning rate, the attention logits every K steps (training/stability.py)
+        self.stability = None if stability_every is None else StabilityLog(stability_every)
+        if self.stability is not None:
+            self.add_callback(stability_callback(self))
         self._fit_eval_batch_to_eval_set()
         use_readable_progress(self)  # a step bar and one line per log, not raw dicts
         self.add_callback(KnockSyncCheck)
@@ -67,6 +72,30 @@ class KHATrainer(Trainer):
             seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
             return GlobalBlockOrder(len(dataset), seed)
         return super()._get_train_sampler(*args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # an exception skips on_train_end: the model gets its SDPA back here, not in a later run
+            if self.stability is not None:
+                self.stability.probing = False
+                stop_probing(self.model, self.stability)
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        if self.stability is not None:  # what Trainer adds to its logged loss, per micro-batch
+            self.stability.add_loss(float(loss))
+        return loss
+
+    def _clip_grad_norm(self, model):
+        # Trainer's one call per optimizer step that sees the whole gradient before clipping (transformers 5.16.1 to
+        # 5.25, where it returns the pre-clip norm): the knocks' norm is read first, the global norm is its result.
+        if self.stability is None:
+            return super()._clip_grad_norm(model)
+        knocks = gradient_norm([p for n, p in model.named_parameters() if is_knock_parameter(n)])
+        norm = super()._clip_grad_norm(model)
+        self.stability.set_norms(None if norm is None else float(norm), knocks)
+        return norm
 
     def get_decay_parameter_names(self, model) -> list[str]:
         # Decay pulls toward 0, but a knock's neutral value is the identity: never decay knocks.

@@ -13,7 +13,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 @pytest.mark.parametrize(
     "script, extra_args, expected",
     [
-        ("train_step.py", [], ["ratio vs baseline", "mlp_v_linear_qk", "saved for backward"]),
+        ("train_step.py", [], ["ratio vs baseline", "mlp_v_linear_qk", "mlp_qkv", "gate_v", "saved for backward"]),
+        ("stability_cost.py", [], ["probe installed, idle", "probing (the K-th step)", "probe every 50 steps"]),
         ("decode.py", ["--compile"], ["linear_qkv folded", "aten ops / step", "torch.compile + static cache"]),
         ("convert_memory.py", [], ["kha convert (copy)", "naive load-modify-save", "kha fold"]),
         ("cli_startup.py", [], ["ratio vs transformers --help", "kha train --help", "argument error"]),
