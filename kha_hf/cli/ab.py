@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from ..modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
+from ..training.ab_variants import PAPER_ABLATION
+from ..training.spikes import SPIKE_MARGIN
 from ._common import (
     MAX_BATCH,
     MAX_SEQ_LEN,
@@ -10,6 +12,7 @@ from ._common import (
     HelpFormatter,
     bounded_int,
     non_negative_float,
+    positive_float,
     positive_int,
     rate_list,
     seed_int,
@@ -56,6 +59,18 @@ def arm_list(text) -> list[str]:
     return names
 
 
+def variant_list(text) -> list[str]:
+    """argparse type: comma-separated ablation variants (knock presets, each optionally `_random`)."""
+    import argparse
+
+    from ..training.ab_variants import parse_variants
+
+    try:
+        return [v.name for v in parse_variants(text)]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
 def add_parser(sub) -> None:
     from ..training.ab_presets import AB_PRESETS
 
@@ -92,6 +107,31 @@ def add_parser(sub) -> None:
         "length and batch size",
     )
     p.add_argument("--knock", default=DEFAULT_KNOCK, choices=sorted(KNOCK_PRESETS), help="knock preset of the twin")
+    p.add_argument(
+        "--variants",
+        type=variant_list,
+        metavar="V1,V2,...",
+        help="the paper's ablation in one run: one baseline and a twin per variant (knock presets, each optionally "
+        f"with _random: random knock initialisation), same weights, data order and seeds; e.g. {PAPER_ABLATION}",
+    )
+    p.add_argument(
+        "--save-models",
+        action="store_true",
+        help="keep every trained model in OUTPUT/models/ARM-seedN (with the tokenizer), for kha eval",
+    )
+    p.add_argument(
+        "--logit-every",
+        type=bounded_int(MAX_STEPS),
+        metavar="K",
+        help="measure each layer's largest attention logit every K steps (default: 50 times per run)",
+    )
+    p.add_argument(
+        "--spike-margin",
+        type=positive_float,
+        default=SPIKE_MARGIN,
+        help="a loss spike: a step's loss above (1 + margin) x the median of the previous 100 steps (default: "
+        "%(default)s)",
+    )
     p.add_argument("--output", default="kha-ab", help="new folder for loss_curves.csv/.png and summary.json")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output folder of kha results")
     p.add_argument("--max-steps", type=bounded_int(MAX_STEPS), help="optimizer steps (default: the preset's)")
@@ -174,7 +214,20 @@ def run(args) -> int:
         "--trust-remote-code": args.trust_remote_code,
         "--run-cache": args.run_cache is not None,
     }
+    scratch_only = {  # options of the from-scratch A/B, refused with --from rather than ignored
+        "--variants": args.variants is not None,
+        "--logit-every": args.logit_every is not None,
+        "--spike-margin": args.spike_margin != SPIKE_MARGIN,
+        "--save-models": args.save_models,
+    }
+    if args.variants is not None and args.knock != DEFAULT_KNOCK:
+        raise KHAError("--variants names every twin: leave --knock out (or add its preset to --variants)")
     if args.from_model:
+        given = [flag for flag, set_ in scratch_only.items() if set_]
+        if given:
+            raise KHAError(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to from-scratch runs only, not --from"
+            )
         if args.bf16:
             raise KHAError("--bf16 is not used with --from (continued training runs in float32)")
         return _run_continued(args)
@@ -196,6 +249,10 @@ def run(args) -> int:
         seeds=args.seeds,
         bf16=args.bf16,
         overwrite=args.overwrite,
+        variants=args.variants,
+        logit_every=args.logit_every,
+        spike_margin=args.spike_margin,
+        save_models=args.save_models,
     )
     return 0
 

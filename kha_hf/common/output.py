@@ -62,6 +62,7 @@ def atomic_output_dir(
     keep_on_failure: Callable[[Path], bool] | None = None,
     adopt: Path | None = None,
     marker: str | None = None,
+    kept_hint: str = "continue it with --resume",
 ) -> Iterator[Path]:
     """Yield an empty temporary folder beside DST; on success it becomes DST, on any failure it is removed.
 
@@ -80,6 +81,7 @@ def atomic_output_dir(
       `adopt` by a later run, which continues in it instead of a new one.
     - `marker`: the command name written to `.kha-output`, which every folder kha writes carries: --overwrite
       replaces nothing else.
+    - `kept_hint`: how to continue a kept folder, printed when one is kept.
 
     Callers check the destination first (`paths.check_destination`); this re-checks at the rename.
     """
@@ -121,7 +123,7 @@ def atomic_output_dir(
             raise
         if keep_on_failure is not None and keep_on_failure(tmp):
             _write_partial_marker(tmp, dst, RESUMABLE)
-            print(f"the unfinished run is kept in {tmp}: continue it with --resume, or delete that folder")
+            print(f"the unfinished run is kept in {tmp}: {kept_hint}, or delete that folder")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
         if _is_disk_full(err):  # name the folder being written, not whichever file the failing call read

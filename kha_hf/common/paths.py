@@ -135,8 +135,11 @@ def check_file_destination(path: str | Path, overwrite: bool) -> Path:
 
 
 def is_training_run(folder: Path) -> bool:
-    """True for a folder holding transformers Trainer checkpoints (checkpoint-N/trainer_state.json)."""
-    return any(path.is_file() for path in folder.glob("checkpoint-*/trainer_state.json"))
+    """True for a folder holding transformers Trainer checkpoints (checkpoint-N/trainer_state.json), or the finished
+    runs of an interrupted `kha ab` (its run cache: runs/ARM-seedN.json beside ab_settings.json)."""
+    if any(path.is_file() for path in folder.glob("checkpoint-*/trainer_state.json")):
+        return True
+    return (folder / "ab_settings.json").is_file() and any(path.is_file() for path in folder.glob("runs/*-seed*.json"))
 
 
 def check_replaceable(dst: Path) -> None:

@@ -1,14 +1,20 @@
-"""`kha ab`: train a baseline and its KHA twin from scratch, same seed, data order, steps and optimiser.
+"""`kha ab`: train a baseline and its KHA twins from scratch, same seed, data order, steps and optimiser.
 
-The KHA twin is built from a deep copy of the baseline's initial weights (`KHAForCausalLM.from_base`), so the two
-runs differ only by the knocks. Optimiser: the paper's (AdamW, wd 0.1, betas 0.9/0.95, clip 1.0, 5 % warmup,
-cosine to 10 %). Repeated over seeds (new initial weights and data order each), the paired differences give a
-95 % t-interval. Writes loss_curves.csv, loss_curves.png and summary.json.
+Each twin is built from a deep copy of the baseline's initial weights (`KHAForCausalLM.from_base`), so the runs differ
+only by the knocks. One twin (`--knock`, the arm "kha"), or the paper's ablation in one command (`--variants`: every
+named knock preset, each its own arm, against the one baseline). Optimiser: the paper's (AdamW, wd 0.1, betas
+0.9/0.95, clip 1.0, 5 % warmup, cosine to 10 %). Repeated over seeds (new initial weights and data order each), the
+paired differences give a 95 % t-interval. Every step records its loss, gradient norms and learning rate, the largest
+attention logit per layer every `logit_every` steps (training/stability.py); loss spikes are counted from them.
+Writes loss_curves.csv, loss_curves.png, stability.csv and summary.json. Each finished run is kept in the output's
+temporary folder: an interrupted ablation started again with the same settings trains only what is missing.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,24 +23,24 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 from ..common.errors import KHAError
 from ..common.loading import load_tokenizer
 from ..common.output import atomic_output_dir
-from ..common.paths import check_run_destination
+from ..common.paths import check_run_destination, is_training_run
 from ..data.corpus import TOKENIZER_DIR
 from ..modeling.modeling_kha import KHAForCausalLM
+from .ab_cache import SETTINGS_FILE, data_fingerprint, interrupted_run, keep
+from .ab_cache import cached as cached_run
 from .ab_presets import AB_PRESETS, ABPreset
-from .ab_report import (
-    ArmRun,
-    arm_summary,
-    compare_arms,
-    plot_mean_curves,
-    print_comparison,
-    write_curves_csv,
-    write_json,
-)
+from .ab_report import ArmRun
+from .ab_table import write_report
+from .ab_variants import Variant, parse_variants
 from .corpus_data import check_raw_data_fits, corpus_splits, prepared_corpus
 from .data import read_documents, train_heldout_split
+from .spikes import SPIKE_MARGIN, check_spike_margin
 from .tokenizer import train_bpe_tokenizer
 from .train import check_training_numbers, paper_training_arguments
 from .trainer import KHATrainer
+
+MODELS_DIR = "models"  # --save-models: every trained model, ARM-seedN
+RANDOM_INIT_SEED = 1_000_003  # added to a seed for random knocks: their draw never shifts the shared weights'
 
 
 def _base_config(base: str, preset: ABPreset) -> PreTrainedConfig:
@@ -64,21 +70,36 @@ def ab(
     logging_steps: int | None = None,
     disable_tqdm: bool = False,
     overwrite: bool = False,
+    variants: str | list[str] | None = None,
+    logit_every: int | None = None,
+    spike_margin: float = SPIKE_MARGIN,
+    save_models: bool = False,
 ) -> dict:
     """Run the A/B for SEEDS seeds (SEED, SEED+1, ...) and return the summary (also OUTPUT/summary.json).
 
-    Each seed draws new initial weights and a new data order; the baseline and its KHA twin share both. OUTPUT
-    appears when the run is complete; an existing one is replaced only with `overwrite`.
+    Each seed draws new initial weights and a new data order; the baseline and its KHA twins share both. With
+    VARIANTS ('mlp_v,linear_v,gate_v,mlp_v_random', `ab_variants`) every variant is a twin; else KNOCK is the one
+    twin. LOGIT_EVERY: steps between attention-logit measurements (default: 50 per run). SPIKE_MARGIN: see
+    `stability.spike_steps`. SAVE_MODELS: keep every trained model (OUTPUT/models/ARM-seedN, with the tokenizer), for
+    `kha eval`. OUTPUT appears when the run is complete; an existing one is replaced only with `overwrite`.
     """
     check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, seeds=seeds)
     if lr is not None and not lr >= 0:
         raise KHAError(f"lr must be >= 0, got {lr}")
+    try:
+        spike_margin = check_spike_margin(spike_margin)
+        twins = parse_variants(variants) if variants is not None else [Variant("kha", knock, "identity")]
+    except ValueError as err:
+        raise KHAError(str(err)) from err
     preset = AB_PRESETS.get(base, AB_PRESETS["cpu-tiny"])
     config = _base_config(base, preset)
     steps, seq, batch = max_steps or preset.max_steps, seq_len or preset.seq_len, batch_size or preset.batch_size
+    check_training_numbers(logit_every=logit_every)
+    every = logit_every or max(1, steps // 50)
     final = check_run_destination(output, [base], data, overwrite)
+    _check_twins_fit(config, twins)
     corpus = prepared_corpus(data)
-    if corpus is not None:  # read lazily; both arms of every seed see the same global order of its blocks
+    if corpus is not None:  # read lazily; every arm of every seed sees the same global order of its blocks
         tokenizer = load_tokenizer(corpus.folder / TOKENIZER_DIR, None, offer_trust=False)
         config.vocab_size = len(tokenizer)
         train_set, heldout_set = corpus_splits(corpus, tokenizer, seq)
@@ -88,87 +109,139 @@ def ab(
         tokenizer = train_bpe_tokenizer(documents, config.vocab_size)
         config.vocab_size = len(tokenizer)
         train_set, heldout_set = train_heldout_split(documents, tokenizer, seq)
+    lr = lr if lr is not None else preset.lr
+    settings = {
+        "config": config.to_dict(),
+        "steps": steps,
+        "seq_len": seq,
+        "batch_size": batch,
+        "lr": lr,
+        "bf16": bf16,
+        "logit_every": every,
+        "data": data_fingerprint(data, len(train_set), len(heldout_set)),
+        "kha_knock": knock if variants is None else None,  # the one twin's arm is "kha": its knock is a setting
+        "save_models": save_models,
+    }
+    settings["config"].pop("transformers_version", None)
+    adopt = interrupted_run(final, settings)
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq} tokens")
 
-    with atomic_output_dir(final, overwrite=overwrite, marker="ab") as output:
-        runs = _train_pairs(
-            config,
-            knock,
-            output,
-            train_set,
-            heldout_set,
-            steps,
-            seq,
-            batch,
-            lr if lr is not None else preset.lr,
-            seed,
-            seeds,
-            bf16,
-            logging_steps,
-            disable_tqdm,
+    def has_finished_runs(tmp: Path) -> bool:
+        return is_training_run(tmp)
+
+    with atomic_output_dir(
+        final,
+        overwrite=overwrite,
+        marker="ab",
+        keep_on_failure=has_finished_runs,
+        adopt=adopt,
+        kept_hint="the same kha ab command again reuses its finished runs",
+    ) as output:
+        (output / SETTINGS_FILE).write_text(json.dumps(settings, sort_keys=True, default=str) + "\n")
+        shared = ArmSettings(
+            output, train_set, heldout_set, steps, batch, lr, bf16, logging_steps, disable_tqdm, every,
+            (output / MODELS_DIR, tokenizer) if save_models else None,
+        )  # fmt: skip
+        runs = _train_arms(config, twins, seed, seeds, shared)
+        label = knock if variants is None else ",".join(t.name for t in twins)
+        return write_report(
+            runs, output, label, config, steps, final, twins if variants is not None else None, spike_margin
         )
-        return write_report(runs, output, knock, config, steps, final)
 
 
-def _train_pairs(
-    config, knock, output, train_set, heldout_set, steps, seq, batch, lr, seed, seeds, bf16, logging_steps, disable_tqdm
-) -> list[ArmRun]:
+def _check_twins_fit(config, twins: list[Variant]) -> None:
+    """Every twin's knocks fit the base (an MLP on MLA is refused here, before any data is read)."""
+    from ..modeling.configuration_kha import KHAConfig
+
+    for twin in twins:
+        try:
+            KHAConfig.from_base(config, knock=twin.knock, knock_init=twin.knock_init)
+        except ValueError as err:
+            raise KHAError(f"variant {twin.name}: {err}") from err
+
+
+@dataclass(frozen=True)
+class ArmSettings:
+    """What every run of one A/B shares: where it works, its data and its training settings."""
+
+    output: Path
+    train_set: object
+    heldout_set: object
+    steps: int
+    batch: int
+    lr: float
+    bf16: bool
+    logging_steps: int | None
+    disable_tqdm: bool
+    logit_every: int
+    save: tuple | None  # (models folder, tokenizer) with --save-models
+
+
+def _train_arms(config, twins: list[Variant], seed: int, seeds: int, arm: ArmSettings) -> list[ArmRun]:
     runs: list[ArmRun] = []
     for run_seed in range(seed, seed + seeds):
         torch.manual_seed(run_seed)
         baseline = AutoModelForCausalLM.from_config(config)
-        try:
-            kha = KHAForCausalLM.from_base(copy.deepcopy(baseline), knock=knock)
-        except ValueError as err:
-            raise KHAError(str(err)) from err
         if run_seed == seed:
             n_params = sum(p.numel() for p in baseline.parameters())
-            print(f"baseline {config.model_type}: {n_params / 1e6:.1f}M parameters; KHA twin adds {knock}")
-        for name, model in (("baseline", baseline), ("kha", kha)):
-            print(f"seed {run_seed}: training {name} ({steps} steps)")
-            args = paper_training_arguments(
-                output / name,
-                max_steps=steps,
-                per_device_train_batch_size=batch,
-                per_device_eval_batch_size=batch,
-                learning_rate=lr,
-                logging_steps=logging_steps or max(1, steps // 50),
-                save_strategy="no",
-                seed=run_seed,
-                data_seed=run_seed,
-                bf16=bf16,
-                disable_tqdm=disable_tqdm,
+            print(
+                f"baseline {config.model_type}: {n_params / 1e6:.1f}M parameters; twins: "
+                + ", ".join(t.name if t.name != "kha" else t.knock for t in twins)
             )
-            trainer = KHATrainer(model=model, args=args, train_dataset=train_set, eval_dataset=heldout_set)
-            trainer.train()
-            heldout = trainer.evaluate()["eval_loss"]
-            curve = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-            runs.append(ArmRun(name, run_seed, curve, curve[-1][1], heldout))
+        for name, twin in (("baseline", None), *((t.name, t) for t in twins)):
+            cached = cached_run(arm.output, name, run_seed)
+            if cached is not None:
+                print(f"seed {run_seed}: {name} taken from the run cache")
+                runs.append(cached)
+                continue
+            model = baseline if twin is None else _twin(baseline, twin, run_seed)
+            print(f"seed {run_seed}: training {name} ({arm.steps} steps)")
+            run = _train_one(model, name, run_seed, arm)
+            keep(arm.output, run)
+            runs.append(run)
     return runs
 
 
-def write_report(runs: list[ArmRun], output: Path, knock: str, config, steps: int, final: Path | None = None) -> dict:
-    """Write the CSV, JSON and PNG into OUTPUT and print the comparison; FINAL: where OUTPUT will be moved."""
-    final = final or output
-    comparison = compare_arms(runs, "kha", "baseline")
-    arms = arm_summary(runs)
-    summary = {
-        "knock": knock,
-        "base_model_type": config.model_type,
-        "steps": steps,
-        "seeds": sorted({r.seed for r in runs}),
-        "delta_mean": comparison["delta_mean"],
-        "ci95": comparison["ci95"],
-        "excludes_zero": comparison["excludes_zero"],
-        "per_seed": comparison["per_seed"],
-        "arms": arms,
-    }
-    write_curves_csv(runs, output / "loss_curves.csv")
-    write_json(output / "summary.json", summary)
-    plot_mean_curves(runs, output / "loss_curves.png", f"from-scratch A/B: baseline vs KHA ({knock})")
-    print(f"{'seed':>6} {'baseline':>10} {'KHA':>10} {'Δ':>9}   (held-out loss)")
-    for row in comparison["per_seed"]:
-        print(f"{row['seed']:>6} {row['baseline_heldout']:>10.4f} {row['kha_heldout']:>10.4f} {row['delta']:>+9.4f}")
-    print_comparison(comparison)
-    print(f"wrote {final / 'loss_curves.csv'}, {final / 'loss_curves.png'}, {final / 'summary.json'}")
-    return summary
+def _twin(baseline, twin: Variant, run_seed: int):
+    """BASELINE's initial weights (a deep copy: the baseline trains on its own) with TWIN's knocks; random knocks
+    are drawn from their own seed, so every arm's shared weights are the same whatever the order."""
+    untrained = copy.deepcopy(baseline)
+    if twin.knock_init == "random":
+        torch.manual_seed(run_seed + RANDOM_INIT_SEED)
+    try:
+        return KHAForCausalLM.from_base(untrained, knock=twin.knock, knock_init=twin.knock_init)
+    except ValueError as err:
+        raise KHAError(f"variant {twin.name}: {err}") from err
+
+
+def _train_one(model, name: str, run_seed: int, arm: ArmSettings) -> ArmRun:
+    if name == "baseline":
+        model = copy.deepcopy(model)  # the untrained baseline stays the twins' starting point
+    args = paper_training_arguments(
+        arm.output / name,
+        max_steps=arm.steps,
+        per_device_train_batch_size=arm.batch,
+        per_device_eval_batch_size=arm.batch,
+        learning_rate=arm.lr,
+        logging_steps=arm.logging_steps or max(1, arm.steps // 50),
+        save_strategy="no",
+        seed=run_seed,
+        data_seed=run_seed,
+        bf16=arm.bf16,
+        disable_tqdm=arm.disable_tqdm,
+    )
+    trainer = KHATrainer(
+        model=model,
+        args=args,
+        train_dataset=arm.train_set,
+        eval_dataset=arm.heldout_set,
+        stability_every=arm.logit_every,
+    )
+    trainer.train()
+    heldout = trainer.evaluate()["eval_loss"]
+    curve = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    if arm.save is not None:  # before the run is cached: a cached run's model is there too
+        folder, tokenizer = arm.save[0] / f"{name}-seed{run_seed}", arm.save[1]
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return ArmRun(name, run_seed, curve, curve[-1][1], heldout, stability=trainer.stability.rows)

@@ -30,6 +30,7 @@ class ArmRun:
     heldout_blocks: list[float] | None = None  # per-block held-out losses (continued A/B)
     other_blocks: list[float] | None = None  # per-block losses on the other-domain text
     flops: float | None = None  # estimated training FLOPs
+    stability: list[dict] | None = None  # per optimizer step: loss, gradient norms, lr, logits (training/stability)
     model: object = field(default=None, repr=False)  # kept only when the run is evaluated afterwards
 
 
@@ -86,8 +87,9 @@ def write_curves_csv(runs: list[ArmRun], path: Path) -> None:
             writer.writerow([seed, step, *(f"{losses[a]:.5f}" if a in losses else "" for a in arms)])
 
 
-def plot_mean_curves(runs: list[ArmRun], path: Path, title: str) -> None:
-    """Mean training loss per arm over seeds, with the band between the lowest and highest seed."""
+def plot_mean_curves(runs: list[ArmRun], path: Path, title: str, stability: dict | None = None) -> None:
+    """Mean training loss per arm over seeds, with the band between the lowest and highest seed; with STABILITY
+    (`ab_stability.stability_summary`), each loss spike of each run marked (x) at its step and loss."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,6 +107,9 @@ def plot_mean_curves(runs: list[ArmRun], path: Path, title: str) -> None:
         ax.plot(steps, mean, color=color, label=f"{arm} (held-out {held:.3f}, {len(losses)} seeds)")
         if len(losses) > 1:
             ax.fill_between(steps, losses.min(axis=0), losses.max(axis=0), color=color, alpha=0.2, linewidth=0)
+        marks = _spike_marks(arm_runs, (stability or {}).get("arms", {}).get(arm, {}))
+        if marks:
+            ax.scatter(*zip(*marks, strict=True), marker="x", color=color, zorder=3, label=f"{arm}: loss spikes")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (mean over seeds; band: min-max)")
     ax.set_title(title)
@@ -112,6 +117,16 @@ def plot_mean_curves(runs: list[ArmRun], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _spike_marks(runs: list[ArmRun], arm_stability: dict) -> list[tuple[int, float]]:
+    """(step, loss) of every spike step of RUNS, from their per-step records."""
+    marks = []
+    for entry in arm_stability.get("per_seed", []):
+        run = next((r for r in runs if r.seed == entry["seed"]), None)
+        losses = {row["step"]: row["loss"] for row in (run.stability or [])} if run is not None else {}
+        marks += [(step, losses[step]) for step in entry.get("spike_steps", []) if step in losses]
+    return marks
 
 
 def print_comparison(comparison: dict) -> None:

@@ -1,0 +1,115 @@
+"""The report of a from-scratch A/B (`kha ab`): summary.json, the CSVs and the plot, and the printed table: one twin
+against the baseline, or the paper's ablation layout (variant, Δ held-out loss [95 % CI over seeds], spikes, the
+paper's Δ)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .ab_report import (
+    ArmRun,
+    arm_summary,
+    compare_arms,
+    plot_mean_curves,
+    print_comparison,
+    write_curves_csv,
+    write_json,
+)
+from .ab_stability import stability_summary, write_stability_csv
+from .ab_variants import PAPER_SETTING, Variant
+from .spikes import SPIKE_MARGIN
+
+
+def write_report(
+    runs: list[ArmRun],
+    output: Path,
+    knock: str,
+    config,
+    steps: int,
+    final: Path | None = None,
+    variants: list[Variant] | None = None,
+    spike_margin: float = SPIKE_MARGIN,
+) -> dict:
+    """Write the CSVs, JSON and PNG into OUTPUT and print the comparison; FINAL: where OUTPUT will be moved.
+
+    Without VARIANTS: the twin is the arm "kha" (summary keys `delta_mean`, `ci95`, ... as ever). With VARIANTS:
+    `summary["variants"][name]` holds each variant's paired comparison with the baseline and the paper's Δ."""
+    final = final or output
+    stability = stability_summary(runs, "baseline", spike_margin)
+    summary = {
+        "knock": knock,
+        "base_model_type": config.model_type,
+        "steps": steps,
+        "seeds": sorted({r.seed for r in runs}),
+    }
+    if variants is None:
+        comparison = compare_arms(runs, "kha", "baseline")
+        summary.update(
+            {
+                "delta_mean": comparison["delta_mean"],
+                "ci95": comparison["ci95"],
+                "excludes_zero": comparison["excludes_zero"],
+                "per_seed": comparison["per_seed"],
+            }
+        )
+    else:
+        summary["paper_setting"] = PAPER_SETTING
+        summary["variants"] = {
+            v.name: {
+                "knock": v.knock,
+                "knock_init": v.knock_init,
+                **compare_arms(runs, v.name, "baseline"),
+                "paper_delta": v.paper_delta,
+            }
+            for v in variants
+        }
+    summary["arms"] = arm_summary(runs)
+    summary["stability"] = stability
+    write_curves_csv(runs, output / "loss_curves.csv")
+    write_stability_csv(runs, output / "stability.csv")
+    write_json(output / "summary.json", summary)
+    title = f"from-scratch A/B: baseline vs KHA ({knock})" if variants is None else "from-scratch ablation"
+    plot_mean_curves(runs, output / "loss_curves.png", title, stability)
+    if variants is None:
+        print(f"{'seed':>6} {'baseline':>10} {'KHA':>10} {'Δ':>9}   (held-out loss)")
+        for row in comparison["per_seed"]:
+            print(
+                f"{row['seed']:>6} {row['baseline_heldout']:>10.4f} {row['kha_heldout']:>10.4f} {row['delta']:>+9.4f}"
+            )
+        print_comparison(comparison)
+    else:
+        print(ablation_table(summary))
+    arms = stability["arms"]
+    spikes = ", ".join(f"{arm} {entry['spikes_mean']:.1f}" for arm, entry in arms.items())
+    print(f"loss spikes per run (mean over seeds): {spikes}")
+    written = ("loss_curves.csv", "stability.csv", "loss_curves.png", "summary.json")
+    print("wrote " + ", ".join(str(final / name) for name in written))
+    return summary
+
+
+def ablation_table(summary: dict) -> str:
+    """The paper's ablation layout from a variants summary: one row per variant."""
+    stability = summary["stability"]["arms"]
+    base = stability.get("baseline", {})
+    seeds = len(summary["seeds"])
+    lines = [
+        f"{'variant':<16} {'Δ held-out loss [95 % CI], ' + str(seeds) + ' seeds':<38} {'spikes (base→var)':<18} "
+        f"{'max grad norm':<14} paper Δ ({summary['paper_setting']})"
+    ]
+    for name, entry in summary["variants"].items():
+        interval = entry["ci95"]
+        ci = "[no interval]" if interval is None else f"[{interval[0]:+.4f}, {interval[1]:+.4f}]"
+        arm = stability.get(name, {})
+        spikes = f"{base.get('spikes_mean', 0):.1f} → {arm.get('spikes_mean', 0):.1f}"
+        norm = arm.get("max_grad_norm_mean")
+        paper = entry["paper_delta"]
+        paper_text = "higher (no number)" if paper is None and name.endswith("_random") else _signed(paper)
+        lines.append(
+            f"{name:<16} {entry['delta_mean']:+.4f} {ci:<30} {spikes:<18} "
+            f"{'-' if norm is None else f'{norm:.3g}':<14} {paper_text}"
+        )
+    return "\n".join(lines)
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.3f}"
