@@ -4,6 +4,8 @@ docs/ab_adapters/; tests/docs/test_ab_tables.py checks that docs/does-kha-help.m
     python benchmarks/ab_tables.py scratch docs/ab_runs/scratch_cpu_tiny.json
     python benchmarks/ab_tables.py continued "SmolLM2-135M:Shakespeare:docs/ab_runs/continued_smollm2.json"
     python benchmarks/ab_tables.py adapters "SmolLM2-135M:Shakespeare:docs/ab_adapters/smollm2_shakespeare.json" ...
+    python benchmarks/ab_tables.py ablation docs/ab_runs/ablation_cpu_tiny_moe.json
+    python benchmarks/ab_tables.py costs
 
 scratch: the from-scratch A/B (`kha ab`), one row per seed and the mean paired difference with its 95 % t-interval
 over seeds. continued and adapters: the runs of `kha ab --from MODEL` (four arms) and `kha ab --from MODEL --arms
@@ -113,6 +115,70 @@ def seed_rows(summary: dict) -> list[str]:
     return rows
 
 
+def ablation_rows(summary: dict) -> list[str]:
+    """The paper's ablation layout from a `kha ab --variants` summary: per variant the paired Δ held-out loss over
+    seeds, the loss spikes per run (baseline → variant, with the paired difference), the largest gradient norm, and
+    the paper's Δ beside it."""
+    stability = summary["stability"]["arms"]
+    base = stability["baseline"]
+    rows = [
+        f"| variant | Δ held-out loss vs baseline [95 % CI], {len(summary['seeds'])} seeds | loss spikes per run "
+        f"(baseline → variant) | largest gradient norm (baseline → variant) | paper's Δ ({summary['paper_setting']}) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, entry in summary["variants"].items():
+        arm = stability[name]
+        paper = entry["paper_delta"]
+        paper_text = (
+            "higher (no number)"
+            if paper is None and name.endswith("_random")
+            else ("—" if paper is None else signed(paper, 3))
+        )
+        rows.append(
+            f"| {name} | {interval(entry)} | {base['spikes_mean']:.1f} → {arm['spikes_mean']:.1f} | "
+            f"{base['max_grad_norm_mean']:.3g} → {arm['max_grad_norm_mean']:.3g} | {paper_text} |"
+        )
+    return rows
+
+
+def cost_rows(seeds: int = 3, mfu: float = 0.4, peak: float = 989e12) -> list[str]:
+    """Per preset of `kha ab`: parameters (active per token for MoE), tokens per run, and the GPU hours of one run
+    and of the paper's ablation (a baseline and 10 variants, SEEDS seeds), from 6 x (active parameters + layers x
+    context x attention width) FLOPs per token (Kaplan et al. 2020) at MFU of an H100's bf16 dense PEAK. An
+    estimate: no GPU ran here; measure with benchmarks/train_step.py. The last two rows: paper-moe at the paper's
+    75B-token ablation runs and its 1T-token run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kha_hf.training.ab_presets import AB_PRESETS
+    from kha_hf.training.ab_variants import PAPER_ABLATION
+
+    arms = 1 + len(PAPER_ABLATION.split(","))
+    rows = [
+        f"| preset | parameters (active) | tokens per run | H100 hours per run | H100 hours, ablation ({arms} arms x "
+        f"{seeds} seeds) |",
+        "|---|---|---|---|---|",
+    ]
+    runs = [(name, preset, preset.max_steps) for name, preset in AB_PRESETS.items() if not name.startswith("cpu")]
+    moe = AB_PRESETS["paper-moe"]
+    for paper_tokens in (75e9, 1e12):  # the paper's ablation runs, and its main run
+        runs.append(("paper-moe", moe, round(paper_tokens / (moe.batch_size * moe.seq_len))))
+    for name, preset, steps in runs:
+        with torch.device("meta"):
+            total = sum(p.numel() for p in AutoModelForCausalLM.from_config(preset.config()).parameters())
+        idle = preset.layers * (preset.experts - preset.active) * 3 * preset.hidden_size * preset.expert_size
+        active = total - idle
+        tokens = steps * preset.batch_size * preset.seq_len
+        if steps != preset.max_steps:
+            name = f"{name} --max-steps {steps}"
+        attention = 6 * preset.layers * preset.seq_len * preset.heads * preset.head_dim  # q·k and weights·v, per token
+        hours = (6 * active + attention) * tokens / (mfu * peak) / 3600
+        shown = f"{total / 1e9:.2f}B ({active / 1e9:.2f}B)" if preset.experts else f"{total / 1e9:.2f}B"
+        size = f"{tokens / 1e9:.0f}B" if tokens >= 1e9 else f"{tokens / 1e6:.0f}M"
+        rows.append(f"| {name} | {shown} | {size} | {hours:,.2f} | {hours * arms * seeds:,.1f} |")
+    return rows
+
+
 def _runs(args: list[str]) -> list[tuple[str, str, dict]]:
     runs = []
     for arg in args:
@@ -122,9 +188,16 @@ def _runs(args: list[str]) -> list[tuple[str, str, dict]]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("scratch", "continued", "adapters"):
+    if argv[:1] == ["costs"]:
+        print("\n".join(cost_rows()))
+        return 0
+    if len(argv) < 2 or argv[0] not in ("scratch", "continued", "adapters", "ablation"):
         sys.exit(__doc__)
     kind, args = argv[0], argv[1:]
+    if kind == "ablation":
+        for path in args:
+            print("\n".join(ablation_rows(json.loads(Path(path).read_text()))))
+        return 0
     if kind == "scratch":
         for path in args:
             print("\n".join(scratch_rows(json.loads(Path(path).read_text()))))

@@ -30,6 +30,9 @@ RUNS = {
     ),
 }
 DEMO = ("## The demo", "ab_runs/demo_smollm2.json")
+# "Reproduce the paper": the CPU ablation (`kha ab cpu-tiny-moe --variants ...`) and the GPU-hours estimate per preset
+REPRODUCE = ROOT / "docs" / "guides" / "reproduce-paper.md"
+ABLATION = "ab_runs/ablation_cpu_tiny_moe.json"
 
 
 def section(heading: str, page: Path = PAGE) -> list[str]:
@@ -72,7 +75,7 @@ def test_every_recorded_run_is_checked():
         for folder in ("ab_runs", "ab_adapters")
         for p in (ROOT / "docs" / folder).glob("*.json")
     }
-    named = {path for _, runs in RUNS.values() for path, _ in runs} | {DEMO[1]}
+    named = {path for _, runs in RUNS.values() for path, _ in runs} | {DEMO[1], ABLATION}
     assert kept == named  # a summary nobody checks, or a checked one that is missing
 
 
@@ -103,3 +106,27 @@ def test_the_demo_section_is_the_demo_summary():
     page = section(DEMO[0])
     assert [line for line in rendered if line and not line.startswith("|") and line not in page] == []  # the prose
     assert sorted(tables(page)) == sorted(tables(rendered))
+
+
+@pytest.mark.parametrize(
+    ("kind", "args", "heading"),
+    [("ablation", [ABLATION], "## What ran here"), ("costs", [], "## What it would cost on a GPU")],
+)
+def test_the_reproduce_page_holds_the_ablation_and_the_costs_as_printed(kind, args, heading):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ab_tables.py"), kind, *(str(ROOT / "docs" / a) for a in args)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    expected = tables(out)
+    assert expected and all(len(table) >= 3 for table in expected), out
+    assert sorted(tables(section(heading, REPRODUCE))) == sorted(expected)
+
+
+def test_the_ablation_summary_is_the_papers_rows_on_three_seeds():
+    summary = json.loads((ROOT / "docs" / ABLATION).read_text())
+    assert summary["seeds"] == [0, 1, 2] and summary["base_model_type"] == "qwen3_moe"
+    assert {"mlp_v", "linear_v", "mlp_qkv", "gate_v", "mlp_v_random"} <= set(summary["variants"])
+    for entry in summary["variants"].values():
+        assert entry["ci95"] is not None and len(entry["per_seed"]) == 3
