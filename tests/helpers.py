@@ -136,7 +136,7 @@ ALL_FAMILIES = FAMILIES + sorted(OTHER_FAMILIES)
 MLA_FAMILIES = {"deepseek_v3"}
 # Presets that together put every knock type on every target it can take (each other preset is a per-target cut of
 # these: tests/modeling/test_knock_math.py checks it); per-family tests loop over these rather than all presets.
-KIND_PRESETS = ("mlp_v", "linear_qkv", "mlp_v_linear_qk", "mlp_qkv", "gate_v")
+KIND_PRESETS = ("mlp_v", "linear_qkv", "mlp_v_linear_qk", "mlp_qkv", "gate_v", "mlp_q")
 
 
 def tiny_config(name: str, **overrides) -> PreTrainedConfig:

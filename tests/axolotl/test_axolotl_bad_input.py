@@ -31,9 +31,13 @@ def _validation_error(cfg: dict) -> str:
 def test_an_unknown_preset_names_the_key_and_the_presets(llama, tmp_path):
     from tests.axolotl.runner import config
 
-    message = _validation_error(config(tmp_path, llama, adapter="knock", knock={"preset": "mlp_qkv"}))
-    assert "knock.preset" in message
-    assert "'mlp_v', 'linear_v', 'linear_qkv' or 'mlp_v_linear_qk'" in message, message
+    presets = (
+        "'mlp_v', 'linear_v', 'linear_qkv', 'mlp_v_linear_qk', 'linear_q', 'linear_k', 'mlp_q', 'mlp_k' or 'mlp_qkv'"
+    )
+    for preset in ("mlp_everything", "gate_v"):  # gate_v: the paper's control, for from-scratch comparisons only
+        message = _validation_error(config(tmp_path, llama, adapter="knock", knock={"preset": preset}))
+        assert "knock.preset" in message
+        assert presets in message, message
 
 
 def test_a_misspelt_knock_key_is_named(llama, tmp_path):

@@ -34,11 +34,11 @@ IDS = torch.tensor([[3, 9, 27, 81, 5, 15, 45, 7, 21], [4, 8, 16, 32, 64, 1, 2, 1
 
 def presets(family: str) -> list[str]:
     """Every kind on every target, and none on each: MLA takes linear knocks only (the paper's), the others every
-    kind, the MLP on Q and K included (mlp_qkv) and the gate-only value control (gate_v); mlp_v is a cut of
-    mlp_v_linear_qk."""
+    kind, the MLP on Q and K included (mlp_qkv), the gate-only value control (gate_v), and a query knock alone
+    (mlp_q: no key or value knock); the other presets are per-target cuts of these."""
     if family in MLA_FAMILIES:
         return ["linear_v", "linear_qkv"]
-    return ["linear_qkv", "mlp_v_linear_qk", "gate_v", "mlp_qkv"]
+    return ["linear_qkv", "gate_v", "mlp_q", "mlp_qkv"]
 
 
 def test_the_table_is_what_the_tests_cover():
