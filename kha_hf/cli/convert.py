@@ -6,6 +6,22 @@ from ..modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
 from ._common import HelpFormatter, parse_layers
 
 
+def knock_preset(text: str) -> str:
+    """argparse type: a knock preset; an ablation variant with random knocks (mlp_v_random) is refused with why."""
+    import argparse
+
+    from ..modeling.configuration_kha import control_refusal
+
+    if text.endswith("_random") and text.removesuffix("_random") in KNOCK_PRESETS:
+        what = f"{text} draws the knocks at random, which changes the model's outputs"
+        raise argparse.ArgumentTypeError(control_refusal(what, "kha convert"))
+    if text not in KNOCK_PRESETS:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text[:60]!r} (choose from {', '.join(sorted(KNOCK_PRESETS))})"
+        )
+    return text
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "convert",
@@ -23,8 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("src", metavar="SRC", help="checkpoint folder, Hub id (owner/name) or .gguf file")
     p.add_argument("dst", metavar="DST", help="output folder (written atomically)")
     p.add_argument(
-        "--knock", default=None, choices=sorted(KNOCK_PRESETS), help=f"knock preset (default: {DEFAULT_KNOCK})"
-    )
+        "--knock", default=None, type=knock_preset, metavar="{" + ",".join(sorted(KNOCK_PRESETS)) + "}",
+        help=f"knock preset (default: {DEFAULT_KNOCK})",
+    )  # fmt: skip
     p.add_argument(
         "--knock-layers", type=parse_layers, default=None, help="layers to knock, e.g. 0,1,8-15 (default all)"
     )

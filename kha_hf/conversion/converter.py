@@ -143,6 +143,9 @@ def convert(
             raise KHAError("--verify checks identity knocks; an adapter's trained knocks change the outputs")
     knock = DEFAULT_KNOCK if knock is None and knocks_from is None else knock
     try:
+        if knocks_from is None and knock.endswith("_random"):  # kha ab's variant: random knocks change the outputs
+            what = f"knock {knock} draws the knocks at random, which changes the model's outputs"
+            raise KHAError(control_refusal(what, "kha convert"))
         if knocks_from is None and "gate" in resolve_knock_preset(knock):  # fail fast, before any download or copy
             raise KHAError(control_refusal(f"--knock {knock} is the gate-only value knock", "kha convert"))
     except ValueError as err:

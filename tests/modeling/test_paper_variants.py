@@ -111,10 +111,16 @@ def test_gguf_refuses_an_mlp_on_the_keys(tmp_path, capsys):
 
 def test_convert_refuses_the_gate_control_before_reading_anything(tmp_path, capsys):
     save_tiny_checkpoint(tmp_path / "base", "qwen3")
-    err = one_line_error(
-        capsys, ["convert", str(tmp_path / "base"), str(tmp_path / "out"), "--knock", "gate_v"], "convert"
-    )
+    argv = ["convert", str(tmp_path / "base"), str(tmp_path / "out"), "--knock", "gate_v"]
+    err = one_line_error(capsys, argv, "convert")
     assert "--knock gate_v is the gate-only value knock" in err and "kha ab --variants" in err
+    argv[-1] = "mlp_v_random"  # kha ab's random-init variant: it changes the outputs
+    err = one_line_error(capsys, argv, "convert")
+    assert "mlp_v_random draws the knocks at random, which changes the model's outputs" in err
+    with pytest.raises(KHAError, match="draws the knocks at random"):
+        from kha_hf.conversion.converter import convert
+
+        convert(tmp_path / "base", tmp_path / "out", knock="linear_v_random")
     assert not (tmp_path / "out").exists()
 
 

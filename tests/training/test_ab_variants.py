@@ -182,3 +182,19 @@ def test_continued_training_refuses_the_gate_control(tmp_path, capsys):
     argv = ["ab", "--from", str(tmp_path / "no-model"), "--knock", "gate_v", "--output", str(tmp_path / "o")]
     err = one_line_error(capsys, argv, "ab")
     assert "--knock gate_v is the gate-only value knock" in err and "kha ab --from takes the paper's knocks" in err
+
+
+def test_the_loss_plot_marks_each_spike_at_its_step_and_loss(tmp_path, monkeypatch):
+    from kha_hf.training import ab_report
+    from kha_hf.training.ab_report import ArmRun
+    from kha_hf.training.ab_stability import stability_summary
+
+    losses = [3.0] * 30
+    losses[20] = 4.0
+    rows = [{"step": i + 1, "loss": loss} for i, loss in enumerate(losses)]
+    runs = [ArmRun("baseline", 0, [(i + 1, x) for i, x in enumerate(losses)], 3.0, 3.0, stability=rows)]
+    summary = stability_summary(runs)
+    assert summary["arms"]["baseline"]["per_seed"][0]["spike_steps"] == [21]
+    assert ab_report._spike_marks(runs, summary["arms"]["baseline"]) == [(21, 4.0)]
+    ab_report.plot_mean_curves(runs, tmp_path / "p.png", "t", summary)
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
