@@ -41,6 +41,7 @@ from ..common.paths import check_destination, check_free_space, check_source_lin
 from ..common.safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, shard_files
 from ..common.version import __version__
 from ..modeling.configuration_kha import (
+    CONTROL_PRESETS,
     DEFAULT_KNOCK,
     KHAConfig,
     base_config_class,
@@ -146,7 +147,7 @@ def convert(
         if knocks_from is None and knock.endswith("_random"):  # kha ab's variant: random knocks change the outputs
             what = f"knock {knock} draws the knocks at random, which changes the model's outputs"
             raise KHAError(control_refusal(what, "kha convert"))
-        if knocks_from is None and "gate" in resolve_knock_preset(knock):  # fail fast, before any download or copy
+        if knocks_from is None and resolve_knock_preset(knock) and knock in CONTROL_PRESETS:  # before any download
             raise KHAError(control_refusal(f"--knock {knock} is the gate-only value knock", "kha convert"))
     except ValueError as err:
         raise KHAError(str(err)) from err

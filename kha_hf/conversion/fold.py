@@ -30,7 +30,7 @@ from ..common.model_code import copy_model_code
 from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
 from ..common.paths import check_destination, check_free_space, check_source_links
 from ..common.safetensors_index import INDEX_FILE, shard_files
-from ..modeling.configuration_kha import TARGET_WORDS, TASK_HEADS, KHAConfig, control_refusal, family_heads
+from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, control_refusal, family_heads, mlp_knocks_phrase
 from ..modeling.knocks import finite_mask
 from .fold_plan import checked_fold_plan, fold_checked
 from .knock_reader import open_kha_checkpoint
@@ -98,8 +98,8 @@ def fold(
         names = "/".join(t.upper() for t in mlps)
         if not partial:
             raise KHAError(
-                f"the {'/'.join(TARGET_WORDS[t] for t in mlps)} knock{'s are MLPs' if len(mlps) > 1 else ' is an MLP'} "
-                f"(KHA-MLP), which is non-linear and cannot be folded into {'/'.join(f'{t}_proj' for t in mlps)}; "
+                f"{mlp_knocks_phrase(mlps)} (KHA-MLP), which is non-linear and cannot be folded into "
+                f"{'/'.join(f'{t}_proj' for t in mlps)}; "
                 + (
                     f"use --partial to fold the linear {'/'.join(t.upper() for t in linear)} knocks and keep a KHA "
                     f"model with the {names} MLP"
@@ -168,7 +168,7 @@ def fold(
         source = read_source_card(kha_dir)
         source.body = ""  # the KHA card describes knocks that are gone; keep its Hub metadata only
         what = (
-            f"a KHA checkpoint whose {'/'.join(t.upper() for t in mlps)} MLP remains"
+            f"a KHA checkpoint whose {names} MLP remains"
             if partial
             else f"a plain `{config.base_model_type}` checkpoint"
         )

@@ -45,7 +45,7 @@ from ..common.errors import KHAError
 from ..common.output import atomic_output_file
 from ..common.paths import check_file_destination, check_free_space, check_place, check_source_links
 from ..common.version import __version__
-from ..modeling.configuration_kha import TARGET_WORDS, control_refusal
+from ..modeling.configuration_kha import TARGET_WORDS, control_refusal, mlp_knocks_phrase
 from .fold_plan import checked_fold_plan, fold_checked
 from .gguf_pretokenizers import KNOWN_PRE_TYPES
 from .knock_reader import open_kha_checkpoint
@@ -80,7 +80,7 @@ def mlp_refusal(targets: list[str]) -> str:
     """The one line that refuses a model whose TARGETS (q / k / v) carry an MLP knock."""
     what = "/".join(TARGET_WORDS[t] for t in targets)
     return (
-        f"the {what} knock{'s are MLPs' if len(targets) > 1 else ' is an MLP'} (KHA-MLP): llama.cpp has no {what}-MLP "
+        f"{mlp_knocks_phrase(targets)} (KHA-MLP): llama.cpp has no {what}-MLP "
         f"graph, and a non-linear knock cannot be folded into {'/'.join(f'{t}_proj' for t in targets)}, so no GGUF "
         "file can compute this model; use a linear preset (--knock linear_v or linear_qkv) for a model that folds into "
         "GGUF, or serve this one with `kha serve` or vLLM's Transformers backend"

@@ -123,6 +123,16 @@ KNOCK_PRESETS: dict[str, tuple[str, str, str]] = {
     "gate_v": ("none", "none", "gate"),
 }
 DEFAULT_KNOCK = "mlp_v"
+# presets of the paper's controls (gate_v): for from-scratch comparisons, never converted or adapted
+CONTROL_PRESETS = tuple(name for name, types in KNOCK_PRESETS.items() if set(types) & set(CONTROL_TYPES))
+
+
+def mlp_knocks_phrase(targets: list[str]) -> str:
+    """'the value knock is an MLP' / 'the query/key knocks are MLPs': the subject of every refusal of a non-linear
+    knock (fold, GGUF)."""
+    words = "/".join(TARGET_WORDS[t] for t in targets)
+    return f"the {words} knock{'s are MLPs' if len(targets) > 1 else ' is an MLP'}"
+
 
 # Keys of a config file that describe the file, not the architecture: never taken from a base config.
 _FILE_KEYS = {"model_type", "architectures", "auto_map", "transformers_version", "_name_or_path", "_model_name_or_path"}
@@ -482,7 +492,7 @@ class KHAConfig(PreTrainedConfig):
     def control_knocks(self) -> str | None:
         """None for a model made of the paper's knocks; else what makes it one of its controls, in words (a gate-only
         value knock, random initialisation): such a model exists to be compared against, never converted."""
-        if "gate" in self.knock_types:
+        if set(self.knock_types) & set(CONTROL_TYPES):
             return "its value knock is the gate-only control (gate_v)"
         if self.knock_init == "random":
             return "its knocks were initialised at random (knock_init='random')"

@@ -48,7 +48,7 @@ class Variant:
 
 def parse_variants(text: str | list[str]) -> list[Variant]:
     """'mlp_v,linear_v,gate_v,mlp_v_random' -> Variants; ValueError in one line naming what is unknown."""
-    from ..modeling.configuration_kha import KNOCK_PRESETS
+    from ..modeling.configuration_kha import CONTROL_PRESETS, KNOCK_PRESETS
 
     names = text if isinstance(text, list) else [part.strip() for part in str(text).split(",") if part.strip()]
     if not names:
@@ -60,7 +60,7 @@ def parse_variants(text: str | list[str]) -> list[Variant]:
     for name in names:
         knock = name.removesuffix(RANDOM_SUFFIX)
         random = knock != name
-        if knock not in KNOCK_PRESETS or (random and "gate" in KNOCK_PRESETS[knock]):
+        if knock not in KNOCK_PRESETS or (random and knock in CONTROL_PRESETS):
             raise ValueError(
                 f"unknown variant {name[:60]!r}: choose knock presets ({', '.join(KNOCK_PRESETS)}), each optionally "
                 f"with {RANDOM_SUFFIX} for random knock initialisation (e.g. mlp_v_random)"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 PROBE_IMPLEMENTATION = "kha_logit_probe"
 STABILITY_FILE = "stability.jsonl"  # kha train's per-step rows, in its output folder
@@ -89,8 +90,6 @@ _ACTIVE: list[StabilityLog] = []  # the run whose step is being probed (at most 
 def probed_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA attention (query (B, H, T, d), key/value (B, H_kv, S, d)), recording the largest logit of
     MODULE's layer first when a step is probed (no gradient: the measurement does not touch training)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     log = _ACTIVE[-1] if _ACTIVE else None
     if log is not None and log.probing and module.training:
         scaling = kwargs.get("scaling")

@@ -33,6 +33,7 @@ from vllm.model_executor.models.transformers import (
     TransformersMultiModalMoEForCausalLM,
 )
 
+from ..modeling.configuration_kha import CONTROL_TYPES
 from ..modeling.families import MLA, family_spec, segment_rows
 from ..modeling.knocks import fold_projection
 from . import TAG, value_fold
@@ -264,7 +265,7 @@ class _KHALoading:
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         top = vllm_config.model_config.hf_config
         config = top.knock_config  # the text decoder's KHA config (the same config for a text-only model)
-        if "gate" in (config.knock_q, config.knock_k, config.knock_v):
+        if set(config.knock_types) & set(CONTROL_TYPES):
             # the paper's gate-only control is for from-scratch comparisons (kha ab): refused before vLLM builds it
             raise ValueError(f"{TAG}: the value knock is the gate-only control (gate_v), not served")
         try:

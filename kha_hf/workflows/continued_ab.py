@@ -47,7 +47,7 @@ from ..common.loading import find_gguf, load_tokenizer
 from ..common.output import atomic_output_dir
 from ..common.paths import check_run_destination
 from ..common.statistics import seed_interval, two_level_bootstrap
-from ..modeling.configuration_kha import KNOCK_PRESETS, control_refusal
+from ..modeling.configuration_kha import CONTROL_PRESETS, KNOCK_PRESETS, control_refusal
 from ..training.ab_report import ArmRun, plot_mean_curves, write_curves_csv, write_json
 from ..training.arms import train_arm
 from ..training.block_losses import block_losses
@@ -109,7 +109,7 @@ def continued_ab(settings: ContinuedAB, output: str | Path = "kha-ab-continued",
     check_training_numbers(max_steps=s.max_steps, seq_len=s.seq_len, batch_size=s.batch_size, seeds=s.seeds)
     if s.knock not in KNOCK_PRESETS:
         raise KHAError(f"unknown knock preset {s.knock!r}; choose one of: {', '.join(KNOCK_PRESETS)}")
-    if "gate" in KNOCK_PRESETS[s.knock]:  # continued training converts a real checkpoint: the method's knocks only
+    if s.knock in CONTROL_PRESETS:  # continued training converts a real checkpoint: the method's knocks only
         raise KHAError(control_refusal(f"--knock {s.knock} is the gate-only value knock", "kha ab --from"))
     if isinstance(s.arms, str) or not isinstance(s.arms, (list, tuple)):
         raise KHAError(f"arms must be a list of arm names, got {s.arms!r}")

@@ -14,12 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 from ...common.checkpoint import CONFIG_FILE, read_config_dict
 from ...common.checks import check_config_numbers
 from ...common.errors import KHAError
-from ...modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
+from ...modeling.configuration_kha import CONTROL_PRESETS, DEFAULT_KNOCK, KNOCK_PRESETS
 from ...modeling.families import FAMILIES, attention_layers
 
 KNOCK_ADAPTER = "knock"  # the `adapter:` value the plugin adds
 # the paper's gate-only control (gate_v) is for from-scratch A/B runs, not an adapter
-Preset = Literal[tuple(p for p in KNOCK_PRESETS if "gate" not in KNOCK_PRESETS[p])]  # type: ignore[valid-type]
+Preset = Literal[tuple(p for p in KNOCK_PRESETS if p not in CONTROL_PRESETS)]  # type: ignore[valid-type]
 
 
 class KnockArgs(BaseModel):
