@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,22 +30,24 @@ _CHUNK_ELEMENTS = 1 << 24  # logits computed per chunk (64 MiB in float32): memo
 
 @dataclass
 class StabilityLog:
-    """What one training run recorded, one row per optimizer step (`rows`), the logits every `logit_every` steps."""
+    """What one training run recorded, one row per optimizer step, the logits every `logit_every` steps: in `rows`,
+    or appended to `path` instead (kha train: a run of millions of steps keeps none of them in memory)."""
 
     logit_every: int
     rows: list[dict] = field(default_factory=list)
-    path: Path | None = None  # each row is also appended here as a JSON line (kha train: rank 0's output folder)
+    path: Path | None = None
 
-    def append_to(self, path: Path) -> None:
-        """Append every row to PATH from now on; a last line cut by an interruption is ended first, so that the
-        resumed run's first row is a line of its own."""
-        if path.is_file() and path.stat().st_size:
-            with open(path, "rb") as f:
-                f.seek(-1, 2)
-                cut = f.read(1) != b"\n"
-            if cut:
-                with open(path, "a") as f:
-                    f.write("\n")
+    def append_to(self, path: Path, keep_until: int | None = None) -> None:
+        """Append every row to PATH from now on. Rows past step KEEP_UNTIL (a resumed run's checkpoint: the steps
+        after it run again; None keeps every step) and lines an interruption cut are dropped first, streaming through
+        a sibling file, so the file holds each step once, in order."""
+        if path.is_file() and not path.is_symlink():
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "w") as out:
+                for row in iter_stability_lines(path):
+                    if keep_until is None or row["step"] <= keep_until:
+                        out.write(json.dumps(row, allow_nan=True) + "\n")
+            os.replace(tmp, path)
         self.path = path
 
     _loss: float = 0.0
@@ -74,14 +78,12 @@ class StabilityLog:
         }
         if self._logits:
             row["max_logit"] = [self._logits[i] for i in sorted(self._logits)]
-        self.rows.append(row)
-        if self.path is not None:
-            with open(self.path, "a") as f:  # a resumed run appends to its interrupted run's lines
+        if self.path is None:
+            self.rows.append(row)
+        else:
+            with open(self.path, "a") as f:
                 f.write(json.dumps(row, allow_nan=True) + "\n")
         self._loss, self._norms, self._logits, self.probing = 0.0, (None, None), {}, False
-
-    def losses(self) -> list[float]:
-        return [row["loss"] for row in self.rows]
 
 
 _ACTIVE: list[StabilityLog] = []  # the run whose step is being probed (at most one: a process trains one model)
@@ -232,36 +234,50 @@ def is_stability_row(row) -> bool:
     return isinstance(logits, list) and all(_number(v, nullable=False) for v in logits)
 
 
-def read_stability_lines(path: Path) -> list[dict]:
-    """The rows a run appended to PATH, one per step, the last written for a step that ran twice (a resumed run
-    repeats the steps after its checkpoint). A line that is not a row (cut by an interruption, edited, not UTF-8) is
-    skipped: the records describe the run, they never stop it."""
-    rows: dict[int, dict] = {}
-    if path.is_file() and not path.is_symlink():
-        for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+def iter_stability_lines(path: Path) -> Iterator[dict]:
+    """The rows a run appended to PATH, streamed, each step once and in order (a row whose step is not past the
+    previous one is skipped). A line that is not a row (cut by an interruption, edited, not UTF-8) is skipped: the
+    records describe the run, they never stop it."""
+    if not path.is_file() or path.is_symlink():
+        return
+    last = 0
+    with open(path, "rb") as f:
+        for raw in f:
             try:
-                row = json.loads(line)
+                row = json.loads(raw.decode("utf-8", errors="replace"))
             except ValueError:
                 continue
-            if is_stability_row(row):
-                rows[row["step"]] = row
-    return [rows[step] for step in sorted(rows)]
+            if is_stability_row(row) and row["step"] > last:
+                last = row["step"]
+                yield row
 
 
-def stability_metrics(rows: list[dict], margin: float) -> dict:
-    """What a run's train_results.json carries of ROWS (`is_stability_row` each): the spike count and the largest
-    norms and logit."""
+def read_stability_lines(path: Path) -> list[dict]:
+    """`iter_stability_lines` as a list (for short runs and tests)."""
+    return list(iter_stability_lines(path))
+
+
+def stability_metrics(rows: Iterable[dict], margin: float) -> dict:
+    """What a run's train_results.json carries of ROWS (`is_stability_row` each, streamed once): the spike count and
+    the largest norms and logit."""
     from .spikes import count_spikes
 
-    def largest(key):
-        values = [v for row in rows for v in (row.get(key) if isinstance(row.get(key), list) else [row.get(key)])]
-        values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-        return max(values) if values else None
+    largest: dict[str, float | None] = dict.fromkeys(("grad_norm", "knock_grad_norm", "max_logit"))
 
+    def losses():
+        for row in rows:
+            for key in largest:
+                value = row.get(key)
+                for v in value if isinstance(value, list) else [value]:
+                    if isinstance(v, (int, float)) and math.isfinite(v) and (largest[key] is None or v > largest[key]):
+                        largest[key] = v
+            yield math.nan if row["loss"] is None else row["loss"]
+
+    spikes = count_spikes(losses(), margin=margin)
     return {
-        "loss_spikes": count_spikes([math.nan if row["loss"] is None else row["loss"] for row in rows], margin=margin),
+        "loss_spikes": spikes,
         "spike_margin": margin,
-        "max_grad_norm": largest("grad_norm"),
-        "max_knock_grad_norm": largest("knock_grad_norm"),
-        "max_attention_logit": largest("max_logit"),
+        "max_grad_norm": largest["grad_norm"],
+        "max_knock_grad_norm": largest["knock_grad_norm"],
+        "max_attention_logit": largest["max_logit"],
     }

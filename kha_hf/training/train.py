@@ -48,7 +48,7 @@ from .guards import (
 from .modes import DEFAULT_LR, prepare_for_mode
 from .run_dir import run_output_dir
 from .spikes import SPIKE_MARGIN, check_spike_margin
-from .stability import STABILITY_FILE, read_stability_lines, stability_metrics
+from .stability import STABILITY_FILE, iter_stability_lines, stability_metrics
 from .trainer import CheckpointCodeCallback, KHATrainer
 
 
@@ -280,7 +280,8 @@ def train(
         )
         if trainer.is_world_process_zero():
             write_run_record(work, record)  # what --resume checks: the same corpus, seed and block length
-            trainer.stability.append_to(work / STABILITY_FILE)  # per step: loss, gradient norms, lr, logits
+            resumed_at = int(Path(checkpoint).name.rpartition("-")[2]) if checkpoint else None  # checkpoint-N
+            trainer.stability.append_to(work / STABILITY_FILE, resumed_at)  # per step: loss, norms, lr, logits
         before = trainer.evaluate()["eval_loss"] if eval_before else None
         try:
             output = trainer.train(resume_from_checkpoint=checkpoint)
@@ -292,7 +293,7 @@ def train(
         heldout = metrics["eval_loss"]
         check_training_result(output.global_step, output.training_loss, heldout, model)  # keeps no bad model
         if trainer.is_world_process_zero():
-            output.metrics.update(stability_metrics(read_stability_lines(work / STABILITY_FILE), spike_margin))
+            output.metrics.update(stability_metrics(iter_stability_lines(work / STABILITY_FILE), spike_margin))
         trainer.save_metrics("train", output.metrics)  # train_results.json, eval_results.json: as HF's examples do
         trainer.save_metrics("eval", metrics)
         adapter_dir = None

@@ -248,3 +248,29 @@ def test_stability_lines_survive_garbage_and_a_cut_line(tmp_path):
     log.end_step(3, 1e-3)
     rows = read_stability_lines(path)
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] == 2.25
+
+
+def test_a_resumed_run_keeps_its_steps_up_to_the_checkpoint_and_the_counts_stream(tmp_path):
+    import tracemalloc
+
+    from kha_hf.training.stability import StabilityLog, iter_stability_lines, stability_metrics
+
+    path = tmp_path / "stability.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 3.0}) + "\n" for s in range(1, 11)))
+    log = StabilityLog(logit_every=0)
+    log.append_to(path, keep_until=5)  # resumed from checkpoint-5: steps 6 to 10 run again
+    log.add_loss(2.0)
+    log.end_step(6, None)
+    assert [(r["step"], r["loss"]) for r in iter_stability_lines(path)][-2:] == [(5, 3.0), (6, 2.0)]
+    assert log.rows == []  # written to the file, not kept in memory
+    # the counts stream: their memory does not grow with the run's length
+    big = tmp_path / "big.jsonl"
+    with open(big, "w") as f:
+        for s in range(1, 200_001):
+            f.write(json.dumps({"step": s, "loss": 5.0 if s == 150_000 else 3.0, "grad_norm": float(s)}) + "\n")
+    tracemalloc.start()
+    metrics = stability_metrics(iter_stability_lines(big), 0.1)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert metrics["loss_spikes"] == 1 and metrics["max_grad_norm"] == 200_000.0
+    assert peak < 1 << 20, f"{peak} bytes for 200,000 rows"
