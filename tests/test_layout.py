@@ -19,21 +19,40 @@ ROOT = Path(kha_hf.__file__).parent
 ALLOWED = {
     "modeling": {"modeling"},
     "common": {"common", "modeling"},
-    "conversion": {"conversion", "common", "modeling"},
-    "eval": {"eval", "common", "modeling", "peft"},  # a knock adapter as the candidate (kha eval --adapter)
-    "data": {"data", "common"},  # prepared corpora: kha tokenize, the token file and its reader, the global order
-    "training": {"training", "common", "modeling", "data"},
-    "serving": {"serving", "common", "modeling"},
-    "peft": {"peft", "common", "modeling", "conversion"},  # adapters <-> KHA checkpoints (adapter_files.py)
+    # checkpoint folders: read, checked once, loaded and written atomically
+    "checkpoint": {"checkpoint", "common", "modeling"},
+    "conversion": {"conversion", "checkpoint", "common", "modeling"},
+    "eval": {
+        "eval",
+        "checkpoint",
+        "common",
+        "modeling",
+        "peft",
+    },  # a knock adapter as the candidate (kha eval --adapter)
+    "data": {
+        "data",
+        "checkpoint",
+        "common",
+    },  # prepared corpora: kha tokenize, the token file and its reader, the global order
+    "training": {"training", "checkpoint", "common", "modeling", "data"},
+    "serving": {"serving", "checkpoint", "common", "modeling"},
+    "peft": {
+        "peft",
+        "checkpoint",
+        "common",
+        "modeling",
+        "conversion",
+    },  # adapters <-> KHA checkpoints (adapter_files.py)
     # run in vLLM's processes (the vllm.general_plugins entry point): the model code, nothing of kha_hf's tools
     "vllm_plugin": {"vllm_plugin", "modeling"},
     # plugins for other trainers (Axolotl): the model, the knock adapter and the training rules, as a user's code would
-    "integrations": {"integrations", "common", "modeling", "conversion", "peft", "training"},
+    "integrations": {"integrations", "checkpoint", "common", "modeling", "conversion", "peft", "training"},
     # the multi-step runs (train several arms, evaluate them): every tool part, never the CLI or the server
-    "workflows": {"workflows", "common", "modeling", "conversion", "data", "eval", "peft", "training"},
+    "workflows": {"workflows", "checkpoint", "common", "modeling", "conversion", "data", "eval", "peft", "training"},
     "cli": {
         "kha_hf",
         "cli",
+        "checkpoint",
         "common",
         "modeling",
         "conversion",
@@ -232,5 +251,5 @@ def test_a_checkpoint_folder_is_read_in_one_place():
                 isinstance(n, ast.Constant) and n.value == "config.json" for n in ast.walk(node)
             ):
                 config_parsers.add(path.relative_to(ROOT).as_posix())
-    assert index_readers == {"common/checkpoint.py"}, index_readers
-    assert config_parsers <= {"common/checkpoint.py"}, config_parsers
+    assert index_readers == {"checkpoint/reader.py"}, index_readers
+    assert config_parsers <= {"checkpoint/reader.py"}, config_parsers

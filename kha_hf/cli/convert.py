@@ -64,7 +64,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from ..common.loading import (
+    from ..checkpoint.loading import (
         check_hub_repo_id,
         check_processor_bounds,
         check_processor_needs_no_code,

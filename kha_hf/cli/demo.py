@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..common.loading import check_model_ref
+    from ..checkpoint.loading import check_model_ref
     from ..workflows.demo import run_demo
 
     if args.model is not None:

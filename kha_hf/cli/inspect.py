@@ -34,9 +34,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from ..common.output import atomic_output_file
-    from ..common.paths import check_file_destination, check_place
-    from ..conversion.knock_reader import open_kha_checkpoint
+    from ..checkpoint.knock_reader import open_kha_checkpoint
+    from ..checkpoint.output import atomic_output_file
+    from ..checkpoint.paths import check_file_destination, check_place
     from ..conversion.knock_stats import check_plot_path, format_table, knock_statistics, plot_knocks, to_json
 
     if args.plot:

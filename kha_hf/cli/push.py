@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..common.loading import check_hub_repo_id
+    from ..checkpoint.loading import check_hub_repo_id
     from ..conversion.hub import push_folder
 
     check_hub_repo_id(args.repo_id, "REPO_ID")

@@ -1,2 +1,2 @@
-"""Helpers shared by several parts: the user-facing error type, the checkpoint reader (`checkpoint.py`) and the
-rules it checks with (`checks.py`), model loading for the tools, the PyPI assets."""
+"""What every part needs and that reads no checkpoint: the user-facing error type, text and JSON file reads, version
+checks, statistics, model cards, the PyPI assets."""

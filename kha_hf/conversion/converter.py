@@ -21,8 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..common.checkpoint import open_checkpoint
-from ..common.checks import (
+from ..checkpoint.checks import (
     architectures_of,
     check_attention_layout,
     check_config_numbers,
@@ -32,13 +31,15 @@ from ..common.checks import (
     check_tied_output,
     check_weights_match_config,
 )
+from ..checkpoint.knock_tensors import initial_knock_tensors, layer_prefix
+from ..checkpoint.loading import PROCESSOR_FILES, TOKENIZER_FILES
+from ..checkpoint.output import atomic_output_dir, carry_over_files, place_file, report_placement
+from ..checkpoint.paths import check_destination, check_free_space, check_source_links
+from ..checkpoint.reader import open_checkpoint
+from ..checkpoint.safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, shard_files
 from ..common.errors import KHAError
-from ..common.loading import PROCESSOR_FILES, TOKENIZER_FILES
 from ..common.model_card import SourceCard, kha_card, read_source_card
 from ..common.model_code import copy_model_code
-from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
-from ..common.paths import check_destination, check_free_space, check_source_links
-from ..common.safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, shard_files
 from ..common.version import __version__
 from ..modeling.configuration_kha import (
     CONTROL_PRESETS,
@@ -52,7 +53,6 @@ from ..modeling.configuration_kha import (
 )
 from ..modeling.families import family_spec
 from ..modeling.modeling_kha import KNOCKS_FILE
-from .knock_tensors import initial_knock_tensors, layer_prefix
 from .source import Source, dequantize_gguf, resolve_source
 
 CONVERTED = (

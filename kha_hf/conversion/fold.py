@@ -23,17 +23,17 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
-from ..common.checks import architectures_of, check_head_weights
+from ..checkpoint.checks import architectures_of, check_head_weights
+from ..checkpoint.knock_reader import open_kha_checkpoint
+from ..checkpoint.output import atomic_output_dir, carry_over_files, place_file, report_placement
+from ..checkpoint.paths import check_destination, check_free_space, check_source_links
+from ..checkpoint.safetensors_index import INDEX_FILE, shard_files
 from ..common.errors import KHAError
 from ..common.model_card import kha_card, read_source_card
 from ..common.model_code import copy_model_code
-from ..common.output import atomic_output_dir, carry_over_files, place_file, report_placement
-from ..common.paths import check_destination, check_free_space, check_source_links
-from ..common.safetensors_index import INDEX_FILE, shard_files
 from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, control_refusal, family_heads, mlp_knocks_phrase
 from ..modeling.knocks import finite_mask
 from .fold_plan import checked_fold_plan, fold_checked
-from .knock_reader import open_kha_checkpoint
 
 
 @dataclass

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.knock_reader import KHACheckpoint
+from ..checkpoint.knock_tensors import KNOCK_KEY, knock_key, projection_key
 from ..common.errors import KHAError
 from ..modeling.configuration_kha import KHAConfig
 from ..modeling.families import family_spec, segment_rows
 from ..modeling.knocks import fold_projection
-from .knock_reader import KHACheckpoint
-from .knock_tensors import KNOCK_KEY, knock_key, projection_key
 
 
 def fold_plan(

@@ -16,7 +16,7 @@ scale it does not take) is refused with one line, not written approximately.
 Streaming: tensor infos come from the safetensors headers; the data is then read, folded, converted and written one
 tensor at a time; a large matrix that needs only its type changed (the embedding, MLP weights) is read, converted and
 written ROW_BLOCK rows at a time (`RowBlocks`), so memory is about the largest attention tensor, never the model. The
-file is written to a temporary name beside OUT and renamed when complete (`common.output.atomic_output_file`).
+file is written to a temporary name beside OUT and renamed when complete (`checkpoint.output.atomic_output_file`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ..common.checkpoint import open_checkpoint
-from ..common.checks import (
+from ..checkpoint.checks import (
     check_attention_layout,
     check_config_numbers,
     check_tensor_shapes,
@@ -41,15 +40,16 @@ from ..common.checks import (
     check_weights_match_config,
     model_tensor_shapes,
 )
+from ..checkpoint.knock_reader import open_kha_checkpoint
+from ..checkpoint.knock_tensors import KNOCK_KEY
+from ..checkpoint.output import atomic_output_file
+from ..checkpoint.paths import check_file_destination, check_free_space, check_place, check_source_links
+from ..checkpoint.reader import open_checkpoint
 from ..common.errors import KHAError
-from ..common.output import atomic_output_file
-from ..common.paths import check_file_destination, check_free_space, check_place, check_source_links
 from ..common.version import __version__
 from ..modeling.configuration_kha import TARGET_WORDS, control_refusal, mlp_knocks_phrase
 from .fold_plan import checked_fold_plan, fold_checked
 from .gguf_pretokenizers import KNOWN_PRE_TYPES
-from .knock_reader import open_kha_checkpoint
-from .knock_tensors import KNOCK_KEY
 
 OUTTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 GGUF_MAGIC = b"GGUF"

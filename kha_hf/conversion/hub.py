@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..checkpoint.output import PARTIAL_MARKER
+from ..checkpoint.paths import OUTPUT_MARKER
 from ..common.errors import KHAError
-from ..common.output import PARTIAL_MARKER
-from ..common.paths import OUTPUT_MARKER
 
 
 def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: str | None = None) -> str:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.knock_reader import KHACheckpoint, open_kha_checkpoint
+from ..checkpoint.knock_tensors import KNOCK_KEY, KNOCK_PARTS
 from ..common.errors import KHAError
-from .knock_reader import KHACheckpoint, open_kha_checkpoint
-from .knock_tensors import KNOCK_KEY, KNOCK_PARTS
 
 
 def matrix_stats(weight: torch.Tensor, start: str) -> dict[str, float]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.loading import check_model_ref, describe_error, find_gguf
 from ..common.errors import KHAError
-from ..common.loading import check_model_ref, describe_error, find_gguf
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "LICENSE*"]
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
@@ -69,7 +69,7 @@ def dequantize_gguf(gguf_file: Path, out: Path) -> None:
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ..common.gguf_header import check_gguf_header
+    from ..checkpoint.gguf_header import check_gguf_header
 
     check_gguf_header(gguf_file)  # its numbers against its tensors, before transformers allocates from them
     folder, name = gguf_file.parent, gguf_file.name

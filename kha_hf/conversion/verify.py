@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from ..common.checkpoint import Checkpoint, open_checkpoint
+from ..checkpoint.knock_reader import open_kha_checkpoint
+from ..checkpoint.reader import Checkpoint, open_checkpoint
 from ..common.errors import KHAError
-from .knock_reader import open_kha_checkpoint
 
 PROMPTS = (
     "The capital of France is",
@@ -96,7 +96,7 @@ def verify_conversion(
             checkpoint or not a conversion of BASE (another head or label count), a model cannot be loaded, or
             the logits are not finite.
     """
-    from ..common.loading import check_device, check_model_ref, load_causal_lm, torch_dtype
+    from ..checkpoint.loading import check_device, check_model_ref, load_causal_lm, torch_dtype
 
     check_model_ref(base, "BASE")
     check_model_ref(kha_dir, "KHA_DIR")
@@ -158,7 +158,7 @@ def verify_conversion(
 def _open_local(ref: str | Path) -> Checkpoint | None:
     """REF's checkpoint folder, opened (`open_checkpoint`), when REF is a local folder of safetensors weights (not a
     Hub id, not a GGUF file)."""
-    from ..common.loading import find_gguf
+    from ..checkpoint.loading import find_gguf
 
     folder = Path(ref)
     return open_checkpoint(folder) if folder.is_dir() and find_gguf(folder) is None else None
@@ -182,8 +182,8 @@ def verify_task_head(
     id or GGUF file) and KHA_DIR's folders as `verify_conversion` opened and checked them."""
     import transformers
 
-    from ..common.checks import num_labels
-    from ..common.loading import (
+    from ..checkpoint.checks import num_labels
+    from ..checkpoint.loading import (
         check_remote_code_allowed,
         describe_error,
         load_tokenizer,

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint.output import atomic_output_dir
+from ..checkpoint.paths import check_free_space, check_run_destination
 from ..common.errors import KHAError
-from ..common.output import atomic_output_dir
-from ..common.paths import check_free_space, check_run_destination
 from ..common.version import __version__
 from .corpus import FORMAT, MANIFEST, SPLITS, TOKENIZER_DIR, TOKENS, VERSION
 from .fingerprint import tokenizer_fingerprint
@@ -123,7 +123,7 @@ def tokenize_corpus(
     The stream's last EVAL_FRACTION (at most MAX_EVAL_TOKENS) is held out and the same amount before it is the
     validation split; the rest trains.
     """
-    from ..common.loading import load_tokenizer
+    from ..checkpoint.loading import load_tokenizer
 
     if not 0 < eval_fraction < 0.5:
         raise KHAError(f"the evaluation fraction must be between 0 and 0.5, got {eval_fraction}")

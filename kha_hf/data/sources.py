@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint.loading import HUB_ID, describe_error
 from ..common.errors import KHAError
-from ..common.loading import HUB_ID, describe_error
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text")
 SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")

@@ -8,11 +8,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..common.checkpoint import check_not_task_head
+from ..checkpoint.loading import check_device, check_model_ref, load_causal_lm
+from ..checkpoint.output import atomic_output_dir
+from ..checkpoint.paths import check_run_destination
+from ..checkpoint.reader import check_not_task_head
 from ..common.errors import KHAError
-from ..common.loading import check_device, check_model_ref, load_causal_lm
-from ..common.output import atomic_output_dir
-from ..common.paths import check_run_destination
 from ..common.text_files import read_text_file
 from .local_tasks import local_task_configs
 from .paired import (

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..checkpoint.paths import check_source_links
+from ..checkpoint.safetensors_index import read_header
 from ..common.errors import KHAError
-from ..common.paths import check_source_links
-from ..common.safetensors_index import read_header
 from ..common.text_files import read_json_object
 from ..conversion.converter import TrainedKnocks
 from .config import KNOCK_PEFT_TYPE, KnockConfig
@@ -113,9 +113,9 @@ def write_knock_adapter(
     """Save KHA_DIR's knocks as a knock adapter folder OUT (written atomically, kha's destination rule) for the
     stock model of its base family; BASE (a Hub id or folder) is recorded as the adapter's base model, so that
     `AutoPeftModelForCausalLM.from_pretrained(OUT)` finds it. Returns (OUT, the adapter's parameter count)."""
-    from ..common.output import atomic_output_dir
-    from ..common.paths import check_destination
-    from ..conversion.knock_reader import open_kha_checkpoint
+    from ..checkpoint.knock_reader import open_kha_checkpoint
+    from ..checkpoint.output import atomic_output_dir
+    from ..checkpoint.paths import check_destination
     from ..modeling.modeling_kha import KHAForCausalLM
     from .convert import knock_adapter_from_kha
 
@@ -155,10 +155,10 @@ def check_adapter_fits(base: str | Path, folder: str | Path) -> TrainedKnocks:
     folder, checked against BASE's config and weight headers as `kha convert --adapter` checks them (family, layers,
     every knock's name and shape) without loading a model: a tool that runs BASE first fails before, not after.
     A Hub id or GGUF BASE is checked when PEFT loads the adapter (`apply_knock_adapter`)."""
-    from ..common.checkpoint import open_checkpoint
-    from ..common.loading import find_gguf
+    from ..checkpoint.knock_tensors import initial_knock_tensors, layer_prefix
+    from ..checkpoint.loading import find_gguf
+    from ..checkpoint.reader import open_checkpoint
     from ..conversion.converter import adapter_kha_config, adapter_knocks
-    from ..conversion.knock_tensors import initial_knock_tensors, layer_prefix
 
     adapter = read_knock_adapter(folder)
     path = Path(str(base)).expanduser()

@@ -21,7 +21,7 @@ from peft.tuners.tuners_utils import BaseTuner
 from peft.utils import AuxiliaryTrainingWrapper
 from torch import nn
 
-from ..common.checks import check_knocks_fit
+from ..checkpoint.checks import check_knocks_fit
 from ..modeling.families import (
     FAMILIES,
     attention_layers,
@@ -250,7 +250,7 @@ def check_file_saves_its_modules(model: nn.Module, config: KnockConfig) -> None:
     path = None if folder is None else folder / "adapter_model.safetensors"
     if not config.modules_to_save or path is None or not path.is_file():
         return
-    from ..common.safetensors_index import read_header
+    from ..checkpoint.safetensors_index import read_header
 
     held = set(read_header(path))
     for name, module in model.named_modules(remove_duplicate=False):

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from transformers.cli.serving.model_manager import ModelLoader
 
-from ..common.checkpoint import read_config_dict
-from ..common.loading import has_processor_files, is_multimodal_checkpoint
+from ..checkpoint.loading import has_processor_files, is_multimodal_checkpoint
+from ..checkpoint.reader import read_config_dict
 
 # transformers keeps up to 8 StopStringCriteria embeddings (vocabulary x stop-string positions, ~100 MB each for a
 # 49k vocabulary) in a module-level cache of the model's process; kha serve keeps the 2 most recent

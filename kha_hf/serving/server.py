@@ -39,9 +39,7 @@ import warnings
 from pathlib import Path
 from unittest import mock
 
-from ..common.checkpoint import open_checkpoint
-from ..common.errors import KHAError
-from ..common.loading import (
+from ..checkpoint.loading import (
     TOKENIZER_FILES,
     check_device,
     check_model_ref,
@@ -52,6 +50,8 @@ from ..common.loading import (
     has_processor_files,
     is_multimodal_checkpoint,
 )
+from ..checkpoint.reader import open_checkpoint
+from ..common.errors import KHAError
 from .errors import RequestError
 from .fields import MIN_TEMPERATURE
 from .guard import RequestRegistry, ServeGuard, ServeLimits, model_aliases

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
+from ..checkpoint.loading import load_tokenizer
+from ..checkpoint.output import atomic_output_dir
+from ..checkpoint.paths import check_run_destination, is_training_run
 from ..common.errors import KHAError
-from ..common.loading import load_tokenizer
-from ..common.output import atomic_output_dir
-from ..common.paths import check_run_destination, is_training_run
 from ..data.corpus import TOKENIZER_DIR
 from ..modeling.modeling_kha import KHAForCausalLM
 from .ab_cache import SETTINGS_FILE, data_fingerprint, interrupted_run, keep

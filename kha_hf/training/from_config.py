@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..common.checkpoint import read_config
-from ..common.checks import check_config_numbers
+from ..checkpoint.checks import check_config_numbers
+from ..checkpoint.reader import read_config
 from ..common.errors import KHAError
 from ..modeling.configuration_kha import KHAConfig
 from .ab_presets import AB_PRESETS

@@ -1,6 +1,6 @@
 """The folder a training run works in: one temporary sibling of OUTPUT shared by every process of the run.
 
-`common.output.atomic_output_dir` gives the safety (OUTPUT appears only when the model is saved, an earlier OUTPUT
+`checkpoint.output.atomic_output_dir` gives the safety (OUTPUT appears only when the model is saved, an earlier OUTPUT
 stays intact until then, an interrupted run with checkpoints is kept for --resume). Under `accelerate launch` every
 rank writes into the same checkpoint folders (FSDP shards, trainer state), so the main process creates the folder,
 tells the others its name, and puts it in place only after every rank has finished writing.
@@ -12,8 +12,8 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..common.output import atomic_output_dir
-from ..common.paths import is_training_run
+from ..checkpoint.output import atomic_output_dir
+from ..checkpoint.paths import is_training_run
 
 
 @contextlib.contextmanager

@@ -16,12 +16,12 @@ import torch
 from safetensors import SafetensorError
 from transformers import TrainingArguments, default_data_collator
 
-from ..common.checkpoint import open_checkpoint
+from ..checkpoint.loading import check_model_ref, load_tokenizer
+from ..checkpoint.output import check_adoptable, check_no_interrupted_run, resumable_partials
+from ..checkpoint.paths import check_free_space, check_run_destination, check_run_place, is_training_run
+from ..checkpoint.reader import open_checkpoint
 from ..common.errors import KHAError
-from ..common.loading import check_model_ref, load_tokenizer
 from ..common.model_card import carry_training_card
-from ..common.output import check_adoptable, check_no_interrupted_run, resumable_partials
-from ..common.paths import check_free_space, check_run_destination, check_run_place, is_training_run
 from ..data.corpus import TOKENIZER_DIR
 from ..modeling.configuration_kha import SUPPORTED_BASE_MODEL_TYPES
 from ..modeling.modeling_kha import KHAForCausalLM

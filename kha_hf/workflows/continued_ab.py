@@ -41,11 +41,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..common.checkpoint import check_not_task_head
+from ..checkpoint.loading import find_gguf, load_tokenizer
+from ..checkpoint.output import atomic_output_dir
+from ..checkpoint.paths import check_run_destination
+from ..checkpoint.reader import check_not_task_head
 from ..common.errors import KHAError
-from ..common.loading import find_gguf, load_tokenizer
-from ..common.output import atomic_output_dir
-from ..common.paths import check_run_destination
 from ..common.statistics import seed_interval, two_level_bootstrap
 from ..modeling.configuration_kha import CONTROL_PRESETS, KNOCK_PRESETS, control_refusal
 from ..training.ab_report import ArmRun, plot_mean_curves, write_curves_csv, write_json

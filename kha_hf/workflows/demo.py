@@ -14,8 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from ..common.output import atomic_output_dir
-from ..common.paths import check_run_destination
+from ..checkpoint.output import atomic_output_dir
+from ..checkpoint.paths import check_run_destination
 
 SEQ_LEN, BATCH_SIZE, LR, SEED = 256, 4, 2e-3, 0
 
@@ -46,7 +46,7 @@ def run_demo(
 
 def _demo(base: str, output: Path, final: Path, knock: str, train_steps: int, limit: int, start: float) -> dict:
     """The five steps, written into OUTPUT (the demo's temporary folder, moved to FINAL when done)."""
-    from ..common.loading import load_tokenizer
+    from ..checkpoint.loading import load_tokenizer
     from ..conversion import convert
     from ..conversion.knock_stats import format_table, knock_statistics, plot_knocks
     from ..eval.compare import evaluate_loaded, new_task_manager

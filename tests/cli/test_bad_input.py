@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import kha_hf.common.paths as paths
+import kha_hf.checkpoint.paths as paths
 from kha_hf.cli import main
 from tests.conversion.test_convert import make_checkpoint
 from tests.helpers import run_python, tiny_base_model

@@ -198,7 +198,7 @@ def test_eval_numbers(llama, capsys, args, message):
 def test_a_kha_folders_tokenizer_never_runs_its_code(tmp_path):
     """--trust-remote-code is for base models of other architectures: with a KHA folder the tokenizer (its base
     model's) loads without remote code, so a planted tokenizer class does not run."""
-    from kha_hf.common.loading import load_tokenizer
+    from kha_hf.checkpoint.loading import load_tokenizer
 
     folder = tmp_path / "kha"
     KHAForCausalLM.from_base(tiny_base_model("llama")).save_pretrained(folder)

@@ -448,7 +448,7 @@ def test_top_level_errors_stay_the_top_levels(capsys):
 
 
 def test_the_differing_code_note_does_not_promise_a_flag(tmp_path):
-    from kha_hf.common.loading import remote_code_kwargs
+    from kha_hf.checkpoint.loading import remote_code_kwargs
 
     folder = tmp_path / "kha"
     save_tiny_checkpoint(folder, knock="mlp_v", num_hidden_layers=2)
@@ -491,7 +491,7 @@ def test_converting_a_base_with_a_custom_code_tokenizer_is_refused_up_front(base
 
 
 def test_a_known_tokenizer_class_with_an_auto_map_still_converts(base, tmp_path):
-    from kha_hf.common.loading import check_tokenizer_needs_no_code
+    from kha_hf.checkpoint.loading import check_tokenizer_needs_no_code
 
     config = json.loads((base / "tokenizer_config.json").read_text())
     config["auto_map"] = {"AutoTokenizer": ["tokenization_x.X", None]}
@@ -522,7 +522,7 @@ def test_an_interrupted_progress_bar_leaves_no_traceback(capsys):
 
 
 def test_finite_checks_do_not_refuse_ordinary_configs(base):
-    from kha_hf.common.checks import check_config_values
+    from kha_hf.checkpoint.checks import check_config_values
 
     config = json.loads((base / "config.json").read_text())
     check_config_values(config, "config.json")

@@ -98,9 +98,9 @@ def test_a_weight_of_another_size_is_a_one_line_load_error_naming_it(tmp_path):
     itself), transformers' size mismatch was a RuntimeError saying only "look at the above report"."""
     import torch
 
-    from kha_hf.common.checkpoint import open_checkpoint
+    from kha_hf.checkpoint.loading import load_causal_lm
+    from kha_hf.checkpoint.reader import open_checkpoint
     from kha_hf.common.errors import KHAError
-    from kha_hf.common.loading import load_causal_lm
 
     folder = tmp_path / "llama"
     save_tiny_checkpoint(folder, "llama")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from kha_hf import KHAForCausalLM
+from kha_hf.checkpoint.loading import load_causal_lm
 from kha_hf.cli import main
 from kha_hf.common.errors import KHAError
-from kha_hf.common.loading import load_causal_lm
 from tests.helpers import save_tiny_tokenizer, tiny_base_model
 
 MARKER_CODE = "from pathlib import Path\nPath({marker!r}).write_text('ran')\n"
@@ -97,7 +97,7 @@ def test_a_kha_folder_with_changed_code_loads_with_the_installed_code(tmp_path, 
 def test_an_unchanged_kha_folder_loads_silently_with_the_installed_classes(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from kha_hf.common.loading import kha_code_matches_installed, remote_code_kwargs
+    from kha_hf.checkpoint.loading import kha_code_matches_installed, remote_code_kwargs
 
     folder = tmp_path / "kha"
     KHAForCausalLM.from_base(tiny_base_model("qwen3")).save_pretrained(folder)

@@ -95,7 +95,7 @@ def test_a_stored_head_equal_to_the_embeddings_is_accepted_everywhere(tmp_path, 
     _untied_lie(kha, knock="linear_qkv", same=True)
     assert main(["fold", str(kha), str(tmp_path / "folded")]) == 0
     # GGUF export's own check (the tiny tokenizer has no merges for a whole export): the head is the tied output
-    from kha_hf.common.checkpoint import open_checkpoint
+    from kha_hf.checkpoint.reader import open_checkpoint
     from kha_hf.conversion.gguf_export import check_checkpoint_tensors
     from kha_hf.modeling.configuration_kha import base_config_class
 
@@ -116,8 +116,8 @@ def test_a_config_value_of_the_wrong_type_is_one_line(tmp_path, capsys, value):
 
 def test_the_lie_check_reads_rows_not_the_whole_head(tmp_path, monkeypatch):
     """Compared TIED_ROWS rows at a time: a vocabulary of several chunks still shows a difference in its last row."""
+    from kha_hf.checkpoint.reader import open_checkpoint
     from kha_hf.common import checks
-    from kha_hf.common.checkpoint import open_checkpoint
     from kha_hf.common.errors import KHAError
 
     monkeypatch.setattr(checks, "TIED_ROWS", 7)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from kha_hf import KHAForCausalLM
+from kha_hf.checkpoint.output import PARTIAL_MARKER, remove_stale_partials, resumable_partials
+from kha_hf.checkpoint.paths import OUTPUT_MARKER
 from kha_hf.common.errors import KHAError
-from kha_hf.common.output import PARTIAL_MARKER, remove_stale_partials, resumable_partials
-from kha_hf.common.paths import OUTPUT_MARKER
 from kha_hf.conversion import convert
 from tests.conversion.test_convert import make_checkpoint, sha256_tree
 from tests.conversion.test_safety import cli
@@ -210,7 +210,7 @@ def test_sigterm_just_after_the_swap_is_a_success(src, tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal
-        import kha_hf.common.output as o
+        import kha_hf.checkpoint.output as o
         from kha_hf.cli import main
         original = o.exchange
         def exchange_then_die(a, b):

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kha_hf import KHAError
+from kha_hf.checkpoint.loading import load_causal_lm
 from kha_hf.cli import main
-from kha_hf.common.loading import load_causal_lm
 from tests.cli.test_bad_input import one_line_error
 from tests.gguf.conftest import tiny_kha
 
@@ -160,7 +160,7 @@ def test_missing_tensors_are_refused(tiny_gguf, tmp_path, drop, message):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma3_text"])
 def test_every_exportable_family_passes_the_check(family, tmp_path):
     """The check refuses nothing real: kha's own exports of each family (Phi-3's fused gate_up included)."""
-    from kha_hf.common.gguf_header import check_gguf_header
+    from kha_hf.checkpoint.gguf_header import check_gguf_header
 
     tiny_kha(tmp_path / "kha", family)
     assert main(["fold", str(tmp_path / "kha"), str(tmp_path / "m.gguf")]) == 0

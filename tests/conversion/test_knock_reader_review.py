@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kha_hf.checkpoint.knock_reader import open_kha_checkpoint
 from kha_hf.common.errors import KHAError
-from kha_hf.conversion.knock_reader import open_kha_checkpoint
 from tests.cli.test_bad_input import one_line_error
 from tests.helpers import save_tiny_checkpoint
 

@@ -20,9 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kha_hf import KHAForCausalLM
+from kha_hf.checkpoint.output import PARTIAL_MARKER, remove_stale_partials
 from kha_hf.cli import main
 from kha_hf.common.errors import KHAError
-from kha_hf.common.output import PARTIAL_MARKER, remove_stale_partials
 from kha_hf.conversion import convert
 from kha_hf.conversion.converter import KNOCKS_FILE
 from tests.conversion.test_convert import make_checkpoint, sha256_tree

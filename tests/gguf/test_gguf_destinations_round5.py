@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from kha_hf.checkpoint.output import PARTIAL_FILE_PREFIX, remove_stale_partial_files
 from kha_hf.cli import main
-from kha_hf.common.output import PARTIAL_FILE_PREFIX, remove_stale_partial_files
 from tests.gguf.test_gguf_bad_input import fold_error, kha  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def test_a_killed_exports_temporary_file_is_removed_by_the_next_run(kha, tmp_pat
     out = tmp_path / "m.gguf"
     code = (
         "import os, signal, sys\n"
-        "from kha_hf.common.output import atomic_output_file\n"
+        "from kha_hf.checkpoint.output import atomic_output_file\n"
         "with atomic_output_file(sys.argv[1]) as tmp:\n"
         "    tmp.write_bytes(b'GGUF' + bytes(1 << 20))\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -55,7 +55,7 @@ def test_a_killed_exports_temporary_file_is_removed_by_the_next_run(kha, tmp_pat
 
 
 def test_a_running_exports_temporary_file_is_kept(tmp_path):
-    from kha_hf.common.output import atomic_output_file
+    from kha_hf.checkpoint.output import atomic_output_file
 
     with atomic_output_file(tmp_path / "m.gguf") as tmp:
         tmp.write_bytes(b"GGUF")

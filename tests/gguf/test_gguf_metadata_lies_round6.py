@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kha_hf import KHAError
-from kha_hf.common.loading import load_causal_lm
+from kha_hf.checkpoint.loading import load_causal_lm
 from tests.cli.test_bad_input import one_line_error
 from tests.conversion.test_gguf_header import tampered, tiny_gguf  # noqa: F401 (a fixture)
 

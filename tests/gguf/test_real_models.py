@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kha_hf import KHAForCausalLM
-from kha_hf.common.safetensors_index import read_checkpoint_index
-from kha_hf.conversion.knock_tensors import KNOCK_KEY
+from kha_hf.checkpoint.knock_tensors import KNOCK_KEY
+from kha_hf.checkpoint.safetensors_index import read_checkpoint_index
 from tests.gguf.conftest import run_llamacpp
 
 pytestmark = pytest.mark.slow

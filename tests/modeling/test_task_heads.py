@@ -197,7 +197,7 @@ def test_a_head_kha_has_no_class_for_is_refused_not_dropped(tmp_path, capsys):
 
 
 def test_commands_that_need_a_language_model_refuse_a_head_checkpoint(tmp_path):
-    from kha_hf.common.loading import load_causal_lm
+    from kha_hf.checkpoint.loading import load_causal_lm
     from kha_hf.conversion.gguf_export import export_gguf
 
     _save_stock(tmp_path / "stock", "qwen3", "KHAForSequenceClassification")

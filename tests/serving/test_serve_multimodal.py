@@ -105,7 +105,7 @@ def _image_request(folder) -> dict:
 def test_a_multimodal_model_without_processor_files_serves_text(tmp_path):
     """A conversion of a checkpoint without its image processor (kha convert says so) still serves, as a text
     model: text chats are answered, image parts refused in one line."""
-    from kha_hf.common.loading import PROCESSOR_FILES
+    from kha_hf.checkpoint.loading import PROCESSOR_FILES
     from kha_hf.serving.server import start_server
 
     save_gemma3_with_processor(tmp_path / "base")

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from kha_hf.checkpoint.loading import check_processor_bounds
 from kha_hf.common.errors import KHAError
-from kha_hf.common.loading import check_processor_bounds
 from kha_hf.serving.guard import ServeLimits
 from tests.helpers import free_port
 from tests.serving.servers import CHAT_TEMPLATE, tiny_kha

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from kha_hf.checkpoint.output import PARTIAL_MARKER, resumable_partials
+from kha_hf.checkpoint.paths import OUTPUT_MARKER
 from kha_hf.cli import main
-from kha_hf.common.output import PARTIAL_MARKER, resumable_partials
-from kha_hf.common.paths import OUTPUT_MARKER
 from tests.cli.test_bad_input import one_line_error
 from tests.training.test_train_safety import TRAIN, tree_digest
 
@@ -156,7 +156,7 @@ def test_sigterm_just_after_the_swap_is_a_success_and_leaves_nothing_resumable(k
     first = tree_digest(out)
     prelude = """
         import os, signal
-        import kha_hf.common.output as o
+        import kha_hf.checkpoint.output as o
         original = o.exchange
         def exchange_then_die(a, b):
             original(a, b)

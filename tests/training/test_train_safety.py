@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kha_hf.checkpoint.output import resumable_partials
 from kha_hf.cli import main
-from kha_hf.common.output import resumable_partials
 from tests.cli.test_bad_input import one_line_error
 
 TRAIN = ["--max-steps", "2", "--seq-len", "64", "--batch-size", "4", "--logging-steps", "1"]

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from ...common.checkpoint import CONFIG_FILE, read_config_dict
-from ...common.checks import check_config_numbers
+from ...checkpoint.checks import check_config_numbers
+from ...checkpoint.reader import CONFIG_FILE, read_config_dict
 from ...common.errors import KHAError
 from ...modeling.configuration_kha import CONTROL_PRESETS, DEFAULT_KNOCK, KNOCK_PRESETS
 from ...modeling.families import FAMILIES, attention_layers

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import KHAError
+from ..common.errors import KHAError
 from .paths import (
     OUTPUT_MARKER,
     PARTIAL_MARKER,

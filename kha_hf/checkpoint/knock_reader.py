@@ -1,7 +1,7 @@
 """A KHA checkpoint opened once and checked, without building the model (memory: the knocks only).
 
 `open_kha_checkpoint` takes the folder's `Checkpoint` (config dict and tensor headers, read once by
-`common.checkpoint.open_checkpoint`) and checks what every tool that reads knocks needs: a KHA config whose values
+`checkpoint.reader.open_checkpoint`) and checks what every tool that reads knocks needs: a KHA config whose values
 are sane, a text decoder whose layers the family layout finds, and exactly the knock tensors that config describes,
 each d_h x d_h floating point. `kha fold`, `kha fold OUT.gguf`, `kha inspect` and `kha adapter` take that value;
 `KHACheckpoint.read_knocks` reads the knock values, one shard at a time, and refuses NaN or infinite ones.
@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..common.checkpoint import Checkpoint, open_checkpoint
-from ..common.checks import check_config_numbers
+from ..checkpoint.checks import check_config_numbers
+from ..checkpoint.reader import Checkpoint, open_checkpoint
+from ..checkpoint.safetensors_index import TensorInfo
 from ..common.errors import KHAError
-from ..common.safetensors_index import TensorInfo
 from ..modeling.configuration_kha import KHAConfig
 from ..modeling.knocks import finite_mask
 from .knock_tensors import KNOCK_KEY, knock_specs, layer_prefix

@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..common.errors import KHAError
 from ..modeling.configuration_kha import TASK_HEADS, base_config_class
 from ..modeling.families import FAMILIES, family_spec, projection_features
-from .errors import KHAError
 from .safetensors_index import TensorInfo
 
 # Architecture sizes that must be positive integers wherever a config has them.

@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .errors import KHAError
+from ..common.errors import KHAError
 
 
 def _real(path: Path) -> Path:
@@ -31,7 +31,7 @@ def _is_within(path: Path, folder: Path) -> bool:
 
 # In every folder kha writes (convert, fold, train, ab, demo, eval): the only folders --overwrite may replace.
 OUTPUT_MARKER = ".kha-output"
-PARTIAL_MARKER = ".kha-partial"  # in each temporary folder of a run (common.output): its destination and owner
+PARTIAL_MARKER = ".kha-partial"  # in each temporary folder of a run (checkpoint.output): its destination and owner
 
 
 def check_place(dst: str | Path, sources: list[Path], data_folders: list[Path] = ()) -> Path:

@@ -5,7 +5,7 @@ the one parser of that file) and hands back a `Checkpoint`, whose `tensors` are 
 (`read_checkpoint_index`, never the tensor data), read when first asked for and then kept: a config that is refused
 never costs a header read, and no header is read twice. What is checked of it is checked on that value
 (`Checkpoint.check`, `Checkpoint.task_head`), by the rules of `checks.py`, which reads no file itself. A KHA
-checkpoint's knocks are read on top of this value (`conversion.knock_reader.KHACheckpoint`).
+checkpoint's knocks are read on top of this value (`checkpoint.knock_reader.KHACheckpoint`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from ..common.errors import KHAError
 from ..modeling.configuration_kha import KHAConfig, base_config_class, multimodal_text_type
 from ..modeling.families import FAMILIES
 from .checks import (
@@ -31,7 +32,6 @@ from .checks import (
     kha_head_name,
     model_tensor_shapes,
 )
-from .errors import KHAError
 from .safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index
 
 CONFIG_FILE = "config.json"

@@ -14,7 +14,7 @@ import math
 import re
 from pathlib import Path
 
-from .errors import KHAError
+from ..common.errors import KHAError
 
 MAX_LAYERS = 4096  # as checks.MAX_LAYERS: the deepest open decoders have about 128
 MAX_CONTEXT = 1 << 24  # 16M positions: beyond any released model's context

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import KHAError
+from ..common.errors import KHAError
 from .paths import member_path
 
 SAFETENSORS_DTYPES = {

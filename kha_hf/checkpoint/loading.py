@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from ..common.errors import KHAError
 from ..modeling.configuration_kha import multimodal_text_type
-from .checkpoint import Checkpoint, family_type, open_checkpoint, read_config_dict
-from .errors import KHAError
+from .reader import Checkpoint, family_type, open_checkpoint, read_config_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
@@ -96,7 +96,7 @@ def check_model_ref(ref: str | Path, what: str = "model") -> None:
 
 def kha_code_matches_installed(folder: Path) -> bool:
     """True if FOLDER holds the three KHA code files, byte for byte those of the installed kha_hf."""
-    from .model_code import model_code_files
+    from ..common.model_code import model_code_files
 
     for installed in model_code_files():
         copy = folder / installed.name

@@ -1,0 +1,1 @@
+"""Checkpoint folders: read (config, safetensors headers, KHA knocks), checked once, loaded, written atomically."""
