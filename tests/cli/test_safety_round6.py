@@ -117,7 +117,7 @@ def test_a_config_value_of_the_wrong_type_is_one_line(tmp_path, capsys, value):
 def test_the_lie_check_reads_rows_not_the_whole_head(tmp_path, monkeypatch):
     """Compared TIED_ROWS rows at a time: a vocabulary of several chunks still shows a difference in its last row."""
     from kha_hf.checkpoint.reader import open_checkpoint
-    from kha_hf.common import checks
+    from kha_hf.checkpoint import checks
     from kha_hf.common.errors import KHAError
 
     monkeypatch.setattr(checks, "TIED_ROWS", 7)
