@@ -9,6 +9,9 @@ Within and across parts, no module imports itself back through others (`test_no_
 """
 
 import ast
+import os
+import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -236,20 +239,70 @@ def test_cli_is_imported_only_by_the_entry_point():
         assert not cli, f"{module} imports {cli}"
 
 
-def test_a_checkpoint_folder_is_read_in_one_place():
-    """config.json is parsed by `common/checkpoint.py` alone, and a checkpoint's safetensors headers are read through
-    its `open_checkpoint` (the conversion tools, loading, serving and training take the `Checkpoint` it returns)."""
-    index_readers, config_parsers = set(), set()
+def test_a_checkpoint_folders_headers_are_read_in_one_place():
+    """A checkpoint's safetensors headers are read through `checkpoint/reader.py`'s `open_checkpoint` (the conversion
+    tools, loading, serving and training take the `Checkpoint` it returns, already checked)."""
+    index_readers = set()
     for path in sorted(ROOT.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.Call):
-                continue
-            called = ast.unparse(node.func)
-            if called.endswith("read_checkpoint_index"):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("read_checkpoint_index"):
                 index_readers.add(path.relative_to(ROOT).as_posix())
-            if called in ("json.loads", "json.load") and any(
-                isinstance(n, ast.Constant) and n.value == "config.json" for n in ast.walk(node)
-            ):
-                config_parsers.add(path.relative_to(ROOT).as_posix())
     assert index_readers == {"checkpoint/reader.py"}, index_readers
-    assert config_parsers <= {"checkpoint/reader.py"}, config_parsers
+
+
+_CONFIG_READS: list | None = None  # (file of kha_hf that opened it, path) while a test records, else None
+
+
+def _record_config_reads(event: str, args: tuple) -> None:
+    """An audit hook (`sys.addaudithook`): every config.json opened for reading, by the innermost frame outside the
+    standard library (pathlib's read_text and json's load are not the reader; their caller is)."""
+    if _CONFIG_READS is None or event != "open" or os.path.basename(str(args[0])) != "config.json":
+        return
+    mode, flags = args[1], args[2]
+    if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+        mode is None and flags & (os.O_WRONLY | os.O_RDWR)
+    ):
+        return
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(STDLIB):
+        frame = frame.f_back
+    if frame is not None:
+        _CONFIG_READS.append((frame.f_code.co_filename, str(args[0])))
+
+
+STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def test_config_json_is_parsed_in_one_place(tmp_path, capsys):
+    """Every config.json a command reads, found from the calls that open it (an audit hook), not from the text of
+    the code: kha_hf opens it in `checkpoint/reader.py` alone (transformers' own reads, inside from_pretrained, are
+    transformers' files). The commands: convert, inspect, fold, verify, adapter, train."""
+    global _CONFIG_READS
+    from helpers import save_tiny_checkpoint, save_tiny_tokenizer
+
+    from kha_hf.cli import main
+
+    base, kha = tmp_path / "base", tmp_path / "kha"
+    save_tiny_checkpoint(base, "llama")
+    save_tiny_tokenizer(base)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question. " * 200)
+    commands = [
+        ["convert", str(base), str(kha), "--knock", "linear_qkv"],
+        ["inspect", str(kha)],
+        ["fold", str(kha), str(tmp_path / "folded")],
+        ["verify", str(base), str(kha)],
+        ["adapter", str(kha), str(tmp_path / "adapter")],
+        ["train", str(kha), "--data", str(corpus), "--output", str(tmp_path / "trained"), "--max-steps", "1"],
+    ]
+    sys.addaudithook(_record_config_reads)  # stays installed (audit hooks cannot be removed); records only here
+    _CONFIG_READS = []
+    try:
+        for argv in commands:
+            assert main(argv) == 0, (argv, capsys.readouterr())
+        reads = list(_CONFIG_READS)
+    finally:
+        _CONFIG_READS = None
+    ours = {Path(file).relative_to(ROOT).as_posix() for file, _ in reads if Path(file).is_relative_to(ROOT)}
+    assert reads, "no config.json read was seen: the audit hook records nothing"
+    assert ours == {"checkpoint/reader.py"}, ours

@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 
 from ..common.errors import KHAError
-from ..modeling.configuration_kha import TASK_HEADS, base_config_class
+from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, base_config_class, multimodal_text_type
 from ..modeling.families import FAMILIES, family_spec, projection_features
+from .knock_tensors import KNOCK_KEY, knock_specs, layer_prefix
 from .safetensors_index import TensorInfo
 
 # Architecture sizes that must be positive integers wherever a config has them.
@@ -391,3 +393,134 @@ def check_knocks_fit(
     for name, tensor in given.items():
         if tuple(tensor.shape) != tuple(expected[name]):
             raise misshaped(name, tuple(tensor.shape), tuple(expected[name]))
+
+
+def knock_keys(tensors: dict[str, TensorInfo]) -> list[str]:
+    return sorted(name for name in tensors if KNOCK_KEY.match(name))
+
+
+def check_knock_tensors(config: KHAConfig, tensors: dict[str, TensorInfo], prefix: str, folder: Path) -> None:
+    """The checkpoint holds exactly the knock tensors its config describes, each a d_h x d_h matrix."""
+    expected = knock_specs(config, prefix)
+    found = set(knock_keys(tensors))
+    missing = sorted(set(expected) - found)
+    if missing:
+        raise KHAError(f"{folder}: knock tensor {missing[0]} is missing ({len(missing)} missing in all)")
+    extra = sorted(found - set(expected))
+    if extra:
+        raise KHAError(
+            f"{folder}: knock tensor {extra[0]} is not described by config.json (knocks {config.knock_q}/"
+            f"{config.knock_k}/{config.knock_v} on layers {_layers(config)}); {len(extra)} such tensors"
+        )
+    for name in sorted(found):
+        d = expected[name][1]
+        if not tensors[name].dtype.is_floating_point:
+            raise KHAError(f"{folder}: knock tensor {name} is {tensors[name].dtype}, not a floating-point tensor")
+        if tensors[name].shape != (d, d):
+            raise KHAError(f"{folder}: knock tensor {name} has shape {list(tensors[name].shape)}, expected [{d}, {d}]")
+
+
+def _layers(config: KHAConfig) -> str:
+    layers = config.knocked_layers
+    return f"0..{layers[-1]}" if layers == list(range(len(layers))) else ",".join(map(str, layers))
+
+
+def family_type(config: dict):
+    """The family's model_type of CONFIG (a config.json dict): `base_model_type` for a KHA checkpoint."""
+    return config.get("base_model_type") if config.get("model_type") == "kha" else config.get("model_type")
+
+
+def task_head(config: dict, tensors: dict[str, TensorInfo], where: str) -> str | None:
+    """`Checkpoint.task_head` of CONFIG and TENSORS."""
+    named = next((n for n in architectures_of(config, where) if n.endswith(HEAD_SUFFIXES)), None)
+    if named is not None:
+        return named
+    found = next((name for name in HEAD_TENSORS if name in tensors), None)
+    if found is not None and "lm_head.weight" not in tensors:
+        return f"task-head checkpoint (its weights hold {found} and no lm_head)"
+    return None
+
+
+def check_config(config: dict, folder: Path, trust_remote_code: bool | None) -> None:
+    """CONFIG (FOLDER's config.json) alone: `check_remote_code_allowed` where the tool loads the model
+    (TRUST_REMOTE_CODE not None), then `check_config_numbers`."""
+    if trust_remote_code is not None:
+        check_remote_code_allowed(config, folder, trust_remote_code)
+    check_config_numbers(config, str(folder / "config.json"))
+
+
+def check_remote_code_allowed(config: dict, folder: Path, trust_remote_code: bool) -> None:
+    """A folder whose architecture only its own code files know (auto_map, a model_type transformers lacks) needs
+    --trust-remote-code; say so in one line instead of letting transformers prompt or fail."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if trust_remote_code or model_type == "kha" or model_type in CONFIG_MAPPING or not config.get("auto_map"):
+        return
+    raise KHAError(
+        f"{folder} ships its own model code (auto_map, model_type {model_type!r}); it was not run. "
+        "Pass --trust-remote-code if you trust that code"
+    )
+
+
+def check_weights(folder: Path, config: dict, tensors: dict[str, TensorInfo], built, causal_lm: bool | str) -> tuple:
+    """`checks.py`'s rules on CONFIG and TENSORS: (the config object built, the model's tensor shapes, the text
+    decoder's layer prefix) of a family kha knows; (BUILT, None, None) for another architecture, whose code
+    (transformers' or its own) checks its own. A KHA config built by the tool (BUILT) also places the knocks: the
+    text decoder's layers are found, and a KHA checkpoint holds exactly the knock tensors its config describes.
+    CAUSAL_LM: a task head is refused first (a string: why, in the tool's words)."""
+    where = str(folder / "config.json")
+    if causal_lm:  # a string: the tool's own words for it
+        why = causal_lm if isinstance(causal_lm, str) else NOT_A_LANGUAGE_MODEL
+        refuse_task_head(folder, task_head(config, tensors, where), why)
+    if not tensors:  # a config without weights (a tool that needs them refuses: `Checkpoint.weights`)
+        return built, None, None
+    kha, prefix = config.get("model_type") == "kha", None
+    if isinstance(built, KHAConfig):
+        try:
+            prefix = layer_prefix(tensors, built)
+        except ValueError as err:
+            raise KHAError(f"{folder}: {err}") from err
+    # a KHA checkpoint's layer count is its model's; its knocks are then those its config describes
+    check_weights_match_config(config, {n: i for n, i in tensors.items() if not (kha and KNOCK_KEY.match(n))}, where)
+    if kha and prefix is not None:
+        check_knock_tensors(built, tensors, prefix, folder)
+    head = next((name for name in architectures_of(config, where) if name.endswith(HEAD_SUFFIXES)), None)
+    check_head_weights(config, kha_head_name(head) if head else "KHAForCausalLM", tensors, where)
+    model_type = family_type(config)
+    multimodal = multimodal_text_type(model_type) is not None
+    if model_type not in FAMILIES and not multimodal:
+        return built, None, prefix
+    if built is None:
+        fields = {k: v for k, v in config.items() if k != "model_type"}
+        try:
+            built = KHAConfig(**fields) if kha else base_config_class(model_type)(**fields)
+        except Exception as err:  # the family's config class rejects what it cannot use, in its own words
+            raise KHAError(f"{where}: {str(err).strip().splitlines()[0]}") from err
+    if multimodal:
+        if prefix is not None:  # the text decoder against its text_config: the knocks split its projections
+            text, text_where = built.knock_config, f"{where} (text_config)"
+            text_tensors = {name: info for name, info in tensors.items() if name.startswith(prefix)}
+            check_weights_match_config(text.to_dict(), text_tensors, text_where)
+            check_attention_layout(text, text_tensors, text_where)
+        check_multimodal_weights(built, tensors, where)
+        return built, None, prefix
+    check_attention_layout(built, tensors, where)
+    base = built.to_base_config() if built.model_type == "kha" else built
+    shapes = model_tensor_shapes(base, where)
+    check_tensor_shapes(shapes, tensors, where)
+    check_tied_output(base, tensors, folder, where)
+    return built, shapes, prefix
+
+
+NOT_A_LANGUAGE_MODEL = (
+    "not a language model: this command needs a causal LM; load it with its own Auto class (e.g. "
+    "AutoModelForSequenceClassification)"
+)
+
+
+def refuse_task_head(folder: Path, head: str | None, why: str = NOT_A_LANGUAGE_MODEL) -> None:
+    """A reward model or classifier loaded as a causal LM would get a new, random LM head: refused in one line,
+    `FOLDER is a HEAD, WHY`."""
+    if head is not None:
+        raise KHAError(f"{folder} is a {head}, {why}")

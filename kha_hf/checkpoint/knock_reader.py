@@ -1,9 +1,9 @@
 """A KHA checkpoint opened once and checked, without building the model (memory: the knocks only).
 
-`open_kha_checkpoint` takes the folder's `Checkpoint` (config dict and tensor headers, read once by
-`checkpoint.reader.open_checkpoint`) and checks what every tool that reads knocks needs: a KHA config whose values
-are sane, a text decoder whose layers the family layout finds, and exactly the knock tensors that config describes,
-each d_h x d_h floating point. `kha fold`, `kha fold OUT.gguf`, `kha inspect` and `kha adapter` take that value;
+`open_kha_checkpoint` opens the folder as `reader.open_checkpoint` opens any, taking KHA configs only: it has
+checked the config's values, that the family layout finds the text decoder's layers, that the weights are those the
+config describes, and that the knock tensors are exactly those the config describes, each d_h x d_h floating point.
+`kha fold`, `kha fold OUT.gguf`, `kha inspect`, `kha verify`, `kha adapter` and the Axolotl plugin take that value;
 `KHACheckpoint.read_knocks` reads the knock values, one shard at a time, and refuses NaN or infinite ones.
 """
 
@@ -15,13 +15,16 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..checkpoint.checks import check_config_numbers
-from ..checkpoint.reader import Checkpoint, open_checkpoint
-from ..checkpoint.safetensors_index import TensorInfo
 from ..common.errors import KHAError
 from ..modeling.configuration_kha import KHAConfig
 from ..modeling.knocks import finite_mask
-from .knock_tensors import KNOCK_KEY, knock_specs, layer_prefix
+from .checks import knock_keys
+from .reader import Checkpoint, open_checkpoint
+from .safetensors_index import TensorInfo
+
+
+class NotAKHACheckpoint(KHAError):
+    """A folder whose config.json is not a KHA config (a tool may word that refusal its own way)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,12 @@ class KHACheckpoint:
     config: KHAConfig  # built from config.json, its values checked
     prefix: str  # the text decoder's `...layers.` prefix (`model.`, `model.language_model.`, ...)
     knock_names: tuple[str, ...]  # every knock tensor, sorted: exactly those the config describes
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint) -> KHACheckpoint:
+        """CHECKPOINT (opened with `is_kha` and `kha_config`, as `open_kha_checkpoint` opens it) with its knocks."""
+        names = tuple(knock_keys(checkpoint.tensors))
+        return cls(checkpoint, checkpoint.model_config, checkpoint.prefix, names)
 
     @property
     def folder(self) -> Path:
@@ -69,65 +78,25 @@ class KHACheckpoint:
         return knocks
 
 
-def open_kha_checkpoint(source: str | Path | Checkpoint) -> KHACheckpoint:
-    """SOURCE (a folder, or its `Checkpoint` already open) as a checked KHA checkpoint; one-line KHAError for a
-    folder that is not one, a config whose values are hostile or that the family rejects, and knock tensors that
-    do not fit the config."""
-    if isinstance(source, Checkpoint) and source.config is not None:
-        checkpoint = source
-    else:  # a folder, or a checkpoint opened without its config: refused in `read_config`'s words
-        checkpoint = open_checkpoint(source.folder if isinstance(source, Checkpoint) else source, required=True)
-    folder = checkpoint.folder
-    config = kha_config(checkpoint)
-    tensors = checkpoint.weights()
-    try:
-        prefix = layer_prefix(tensors, config)
-    except ValueError as err:
-        raise KHAError(f"{folder}: {err}") from err
-    check_knock_tensors(config, tensors, prefix, folder)
-    return KHACheckpoint(checkpoint, config, prefix, tuple(knock_keys(tensors)))
+def open_kha_checkpoint(folder: str | Path, causal_lm: bool = False) -> KHACheckpoint:
+    """FOLDER read and checked as a KHA checkpoint; one-line KHAError for a folder that is not one, a config whose
+    values are hostile or that the family rejects, weights the config does not describe and knock tensors that do
+    not fit the config (`open_checkpoint`'s rules). CAUSAL_LM: a task head is refused."""
+    return KHACheckpoint.of(open_checkpoint(folder, True, accept=is_kha, build=kha_config, causal_lm=causal_lm))
 
 
-def kha_config(checkpoint: Checkpoint) -> KHAConfig:
-    """CHECKPOINT's config.json as a KHAConfig, its values checked first."""
-    folder, config = checkpoint.folder, checkpoint.config or {}
+def is_kha(config: dict, folder: Path) -> None:
+    """`open_checkpoint`'s ACCEPT for a tool that reads knocks: a KHA config."""
     if config.get("model_type") != KHAConfig.model_type:
-        raise KHAError(f"{folder} is not a KHA checkpoint (model_type {config.get('model_type')!r})")
-    check_config_numbers(config, checkpoint.where)  # hostile values: one line, not a traceback
+        raise NotAKHACheckpoint(f"{folder} is not a KHA checkpoint (model_type {config.get('model_type')!r})")
+
+
+def kha_config(config: dict, folder: Path) -> KHAConfig:
+    """`open_checkpoint`'s BUILD for a KHA checkpoint: one-line KHAError for values the family rejects."""
     try:
         return KHAConfig(**{k: v for k, v in config.items() if k != "model_type"})
     except Exception as err:  # the family's config class rejects what it cannot use, in its own words
-        raise KHAError(f"invalid {checkpoint.where}: {err}") from err
-
-
-def knock_keys(tensors: dict[str, TensorInfo]) -> list[str]:
-    return sorted(name for name in tensors if KNOCK_KEY.match(name))
-
-
-def check_knock_tensors(config: KHAConfig, tensors: dict[str, TensorInfo], prefix: str, folder: Path) -> None:
-    """The checkpoint holds exactly the knock tensors its config describes, each a d_h x d_h matrix."""
-    expected = knock_specs(config, prefix)
-    found = set(knock_keys(tensors))
-    missing = sorted(set(expected) - found)
-    if missing:
-        raise KHAError(f"{folder}: knock tensor {missing[0]} is missing ({len(missing)} missing in all)")
-    extra = sorted(found - set(expected))
-    if extra:
-        raise KHAError(
-            f"{folder}: knock tensor {extra[0]} is not described by config.json (knocks {config.knock_q}/"
-            f"{config.knock_k}/{config.knock_v} on layers {_layers(config)}); {len(extra)} such tensors"
-        )
-    for name in sorted(found):
-        d = expected[name][1]
-        if not tensors[name].dtype.is_floating_point:
-            raise KHAError(f"{folder}: knock tensor {name} is {tensors[name].dtype}, not a floating-point tensor")
-        if tensors[name].shape != (d, d):
-            raise KHAError(f"{folder}: knock tensor {name} has shape {list(tensors[name].shape)}, expected [{d}, {d}]")
-
-
-def _layers(config: KHAConfig) -> str:
-    layers = config.knocked_layers
-    return f"0..{layers[-1]}" if layers == list(range(len(layers))) else ",".join(map(str, layers))
+        raise KHAError(f"invalid {folder / 'config.json'}: {err}") from err
 
 
 def check_finite(knocks: dict[str, torch.Tensor], folder: Path) -> None:

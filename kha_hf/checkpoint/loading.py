@@ -18,7 +18,8 @@ import torch
 
 from ..common.errors import KHAError
 from ..modeling.configuration_kha import multimodal_text_type
-from .reader import Checkpoint, family_type, open_checkpoint, read_config_dict
+from .checks import family_type
+from .reader import Checkpoint, open_checkpoint, read_config_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
@@ -132,21 +133,6 @@ def remote_code_kwargs(
                 "installed code (the folder's own code is not run)"
             )
     return {"trust_remote_code": bool(trust_remote_code)}
-
-
-def check_remote_code_allowed(checkpoint: Checkpoint, trust_remote_code: bool) -> None:
-    """A folder whose architecture only its own code files know (auto_map, a model_type transformers lacks) needs
-    --trust-remote-code; say so in one line instead of letting transformers prompt or fail."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    config = checkpoint.config or {}
-    model_type = config.get("model_type")
-    if trust_remote_code or model_type == "kha" or model_type in CONFIG_MAPPING or not config.get("auto_map"):
-        return
-    raise KHAError(
-        f"{checkpoint.folder} ships its own model code (auto_map, model_type {model_type!r}); it was not run. "
-        "Pass --trust-remote-code if you trust that code"
-    )
 
 
 def check_hub_repo_id(repo_id: str, what: str = "REPO_ID") -> None:
@@ -431,7 +417,7 @@ def load_causal_lm(
 ):
     """(model, tokenizer) for REF, in eval mode on DEVICE; code inside REF runs only with `trust_remote_code`.
     OFFER_TOKENIZER: the command has a --tokenizer option (errors may advise it). CHECKED: REF's folder as the
-    caller opened and checked it (`open_checkpoint`, `Checkpoint.check`): not read or checked again."""
+    caller opened it (`open_checkpoint(..., trust_remote_code=..., causal_lm=True)`): not read or checked again."""
     from transformers import AutoModelForCausalLM
 
     check_model_ref(ref)
@@ -439,13 +425,8 @@ def load_causal_lm(
     path = Path(ref).expanduser()
     gguf = find_gguf(path) if path.exists() else None
     checkpoint = checked
-    if gguf is None and path.is_dir():
-        if checkpoint is None:
-            checkpoint = open_checkpoint(path)
-        check_remote_code_allowed(checkpoint, trust_remote_code)
-        checkpoint.check_not_task_head()
-        if checked is None:
-            checkpoint.check()  # before anything is built: one line, not a random layer
+    if gguf is None and path.is_dir() and checkpoint is None:  # checked before anything is built: one line
+        checkpoint = open_checkpoint(path, trust_remote_code=trust_remote_code, causal_lm=True)
     if gguf is not None:
         from .gguf_header import check_gguf_header
 

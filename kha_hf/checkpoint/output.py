@@ -110,7 +110,9 @@ def atomic_output_dir(
     try:
         with _signals_raise_interrupt():
             yield tmp
-            _apply_umask(tmp)
+            from ..modeling.modeling_kha import apply_umask  # the modes a plain `cp` gives (hard links untouched)
+
+            apply_umask(tmp, "*", folder_too=True)
             with _signals_deferred() as received:
                 old = _move_into_place(tmp, dst, overwrite)  # the commit point
                 committed = True
@@ -263,10 +265,9 @@ def _write_partial_marker(folder: Path, dst: Path, state: str) -> None:
     _write_new_file(folder / PARTIAL_MARKER, json.dumps(record) + "\n")
 
 
-def _read_partial(folder: Path, dst: Path, legacy: bool) -> Partial | None:
+def _read_partial(folder: Path, dst: Path) -> Partial | None:
     """The Partial of FOLDER when it is a real folder (not a link) whose marker (a regular file) names DST; None
-    for anything else. A LEGACY folder (`.DST.<random>.partial`, kha-hf <= 0.2) may have the old marker
-    (`host pid` and an optional `resumable` line)."""
+    for anything else."""
     try:
         if not stat.S_ISDIR(os.lstat(folder).st_mode):
             return None
@@ -274,50 +275,25 @@ def _read_partial(folder: Path, dst: Path, legacy: bool) -> Partial | None:
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 return None
-            text = f.read(65536).decode("utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-    try:
-        record = json.loads(text)
-        if not isinstance(record, dict) or record.get("destination") != dst.name:
-            return None
+            record = json.loads(f.read(65536).decode("utf-8"))
         host, pid, start, state = record["host"], record["pid"], record.get("start"), record["state"]
-        if not (isinstance(host, str) and isinstance(pid, int) and isinstance(state, str)):
-            return None
-        if start is not None and not isinstance(start, int):
-            return None
-    except (ValueError, KeyError):
-        if not legacy:
-            return None
-        lines = text.splitlines()
-        try:
-            host, pid_text = lines[0].split()
-            pid = int(pid_text)
-        except (ValueError, IndexError):
-            return None
-        start, state = None, RESUMABLE if lines[1:] == [RESUMABLE] else WRITING
+    except (OSError, ValueError, KeyError, TypeError):  # no marker, or not kha's: JSON of another shape
+        return None
+    if record.get("destination") != dst.name or not (isinstance(host, str) and isinstance(pid, int)):
+        return None
+    if not isinstance(state, str) or (start is not None and not isinstance(start, int)):
+        return None
     return Partial(folder, host, pid, start, state, _owner_alive(host, pid, start, folder))
 
 
 def _partials(dst: Path) -> list[Partial]:
     """Every temporary folder of a run writing DST, found beside it by its marker."""
-    legacy_prefix = f".{dst.name}."
-    found = []
     try:
         entries = list(os.scandir(dst.parent))
     except OSError:
         return []
-    for entry in entries:
-        name = entry.name
-        if not name.endswith(PARTIAL_SUFFIX):
-            continue
-        new_style = name.startswith(PARTIAL_PREFIX)
-        legacy = name.startswith(legacy_prefix) and len(name) > len(legacy_prefix) + len(PARTIAL_SUFFIX)
-        if new_style or legacy:
-            partial = _read_partial(Path(entry.path), dst, legacy=legacy and not new_style)
-            if partial is not None:
-                found.append(partial)
-    return found
+    names = (e.name for e in entries if e.name.startswith(PARTIAL_PREFIX) and e.name.endswith(PARTIAL_SUFFIX))
+    return [p for p in (_read_partial(dst.parent / name, dst) for name in names) if p is not None]
 
 
 def resumable_partials(dst: Path) -> list[Path]:
@@ -348,7 +324,7 @@ def check_adoptable(folder: Path, dst: Path) -> Path:
     marker naming DST, whose owner is gone, holding checkpoints; else KHAError."""
     folder = Path(folder)
     dst = Path(dst).expanduser().absolute()
-    partial = _read_partial(folder, dst, legacy=not folder.name.startswith(PARTIAL_PREFIX))
+    partial = _read_partial(folder, dst)
     if (
         partial is None
         or folder.absolute().parent != dst.parent
@@ -541,18 +517,6 @@ def exchange(a: Path, b: Path) -> None:
     os.rename(a, b)
     os.rename(aside, a)
     aside.parent.rmdir()
-
-
-def _apply_umask(folder: Path) -> None:
-    # mkdtemp and safetensors create owner-only files; give what we wrote the modes a plain `cp` would.
-    # Hard links are skipped: their mode is the source's, which must stay untouched.
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for path in folder.iterdir():
-        info = path.lstat()
-        if path.is_file() and not path.is_symlink() and info.st_nlink == 1:
-            path.chmod(0o666 & ~umask)
 
 
 def place_file(src: Path, dst: Path, link: bool) -> str:

@@ -204,25 +204,6 @@ def check_source_links(folder: Path, names: list[str] | None = None) -> None:
         confined_file(folder, path)
 
 
-def member_path(folder: Path, name: str, what: str = "file") -> Path:
-    """FOLDER/NAME for a file name read from a checkpoint (e.g. a shard in model.safetensors.index.json).
-
-    Only plain names are accepted: no absolute path, no separator, no `..`, so nothing outside FOLDER is read
-    from or written to. (The file itself may be a symbolic link, as in the Hugging Face cache.)
-    """
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\0" in name
-        or os.path.isabs(name)
-    ):
-        raise KHAError(f"refusing {what} name {name!r} in {folder}: it must be a plain file name inside the folder")
-    return folder / name
-
-
 def check_free_space(folder: Path, needed: int, what: str) -> None:
     """KHAError with both sizes when the file system of FOLDER has less than NEEDED bytes free."""
     free = shutil.disk_usage(folder).free

@@ -1,40 +1,36 @@
-"""A checkpoint folder opened once: its config.json and its safetensors headers, read as one value.
+"""A checkpoint folder opened once, and checked as it is opened: its config.json and its safetensors headers.
 
-Every tool that takes a local checkpoint folder reads it here: `open_checkpoint` parses config.json (`read_config`,
-the one parser of that file) and hands back a `Checkpoint`, whose `tensors` are every shard's header
-(`read_checkpoint_index`, never the tensor data), read when first asked for and then kept: a config that is refused
-never costs a header read, and no header is read twice. What is checked of it is checked on that value
-(`Checkpoint.check`, `Checkpoint.task_head`), by the rules of `checks.py`, which reads no file itself. A KHA
-checkpoint's knocks are read on top of this value (`checkpoint.knock_reader.KHACheckpoint`).
+Every tool that takes a local checkpoint folder opens it here. `open_checkpoint` parses config.json (`_parse_config`,
+the one parser of that file), reads every shard's header (`read_checkpoint_index`, never the tensor data), applies
+the rules of `checks.py` (which read no file) and hands back a `Checkpoint`: a value that has been checked, so the
+tool that holds one checks nothing again. Its config's numbers are checked before any header is read, so an absurd
+config costs no header read. What a tool asks beyond that (a causal LM, not a task head; no code shipped inside the
+model; its own rule on the config, such as `kha convert`'s "a base model of a supported family") it says when it
+opens the folder. A KHA checkpoint's knocks are read on top of this value (`knock_reader.open_kha_checkpoint`).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 from ..common.errors import KHAError
-from ..modeling.configuration_kha import KHAConfig, base_config_class, multimodal_text_type
-from ..modeling.families import FAMILIES
+from ..modeling.configuration_kha import multimodal_text_type
 from .checks import (
-    HEAD_SUFFIXES,
-    HEAD_TENSORS,
-    architectures_of,
-    check_attention_layout,
-    check_config_numbers,
-    check_head_weights,
-    check_multimodal_weights,
-    check_tensor_shapes,
-    check_tied_output,
-    check_weights_match_config,
-    kha_head_name,
-    model_tensor_shapes,
+    check_config,
+    check_weights,
+    family_type,
+    refuse_task_head,
+    task_head,
 )
-from .safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, read_checkpoint_index
+from .safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, no_weights, read_checkpoint_index
 
 CONFIG_FILE = "config.json"
+
+
+class NoConfig(KHAError):
+    """A folder without a readable config.json: not a transformers checkpoint (a tool may word that its own way)."""
 
 
 def _parse_config(folder: Path) -> dict | str:
@@ -70,11 +66,6 @@ def read_config_dict(folder: Path) -> dict | None:
     return None if isinstance(config, str) else config
 
 
-def family_type(config: dict):
-    """The family's model_type of CONFIG (a config.json dict): `base_model_type` for a KHA checkpoint."""
-    return config.get("base_model_type") if config.get("model_type") == "kha" else config.get("model_type")
-
-
 def has_weights(folder: Path) -> bool:
     """True when FOLDER holds safetensors weights (a single file or a shard index)."""
     return (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()
@@ -82,21 +73,18 @@ def has_weights(folder: Path) -> bool:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A local checkpoint folder as read once by `open_checkpoint` (nothing of the tensor data)."""
+    """A local checkpoint folder as `open_checkpoint` read and checked it (nothing of the tensor data)."""
 
     folder: Path
-    config: dict | None  # config.json; None when it is missing or unreadable (`check` refuses such a folder)
+    config: dict  # config.json
+    tensors: dict[str, TensorInfo]  # name -> shard, dtype, shape, from every shard's header; {} without weights
+    model_config: object = None  # the config object built from it (a KHAConfig, a family's config); None if unbuilt
+    shapes: dict | None = None  # name -> shape of every tensor the causal LM it describes holds (`model_tensor_shapes`)
+    prefix: str | None = None  # the text decoder's `...layers.` prefix, where the tool built a KHAConfig
 
-    @cached_property
+    @property
     def has_weights(self) -> bool:
-        """model.safetensors or model.safetensors.index.json is there."""
-        return has_weights(self.folder)
-
-    @cached_property
-    def tensors(self) -> dict[str, TensorInfo]:
-        """Tensor name -> shard, dtype, shape, from the headers (checked as `read_header` checks them); {} when the
-        folder holds no weights. Read on first use, once."""
-        return read_checkpoint_index(self.folder) if self.has_weights else {}
+        return bool(self.tensors)
 
     @property
     def where(self) -> str:
@@ -105,12 +93,12 @@ class Checkpoint:
 
     @property
     def is_kha(self) -> bool:
-        return (self.config or {}).get("model_type") == "kha"
+        return self.config.get("model_type") == "kha"
 
     @property
     def model_type(self):
         """The family's model_type: `base_model_type` for a KHA checkpoint (may be anything JSON holds)."""
-        return family_type(self.config or {})
+        return family_type(self.config)
 
     @property
     def is_multimodal(self) -> bool:
@@ -118,71 +106,57 @@ class Checkpoint:
         return multimodal_text_type(self.model_type) is not None
 
     def weights(self) -> dict[str, TensorInfo]:
-        """`tensors`, for a tool that needs weights: one-line KHAError (`read_checkpoint_index`'s) when the folder
-        holds none."""
-        return self.tensors if self.has_weights else read_checkpoint_index(self.folder)
+        """`tensors`, for a tool that needs weights: one-line KHAError when the folder holds none."""
+        if not self.tensors:
+            raise no_weights(self.folder)
+        return self.tensors
 
     def task_head(self) -> str | None:
         """What makes this checkpoint a task head rather than a language model: the head architecture its config
         names (`Qwen3ForSequenceClassification`, `KHAForTokenClassification`, ...), or, when the config names none,
         a head tensor in its weights (`score.weight`); None for a causal LM."""
-        named = next((n for n in architectures_of(self.config or {}, self.where) if n.endswith(HEAD_SUFFIXES)), None)
-        if named is not None:
-            return named
-        found = next((name for name in HEAD_TENSORS if name in self.tensors), None)
-        if found is not None and "lm_head.weight" not in self.tensors:
-            return f"task-head checkpoint (its weights hold {found} and no lm_head)"
-        return None
+        return task_head(self.config, self.tensors, self.where)
 
     def check_not_task_head(self) -> None:
-        """A reward model or classifier loaded as a causal LM would get a new, random LM head: refuse in one line."""
-        head = self.task_head()
-        if head is not None:
-            raise KHAError(
-                f"{self.folder} is a {head}, not a language model: this command needs a causal LM; load it with its "
-                "own Auto class (e.g. AutoModelForSequenceClassification)"
-            )
-
-    def check(self) -> None:
-        """One-line KHAError when config.json cannot describe the safetensors weights (`checks.py`'s rules: its
-        numbers, the layer count, vocabulary, head, attention layout, every tensor's shape and floating dtype: a
-        multimodal model's every parameter, a decoder's every tensor the model has)."""
-        config, where = self.config, self.where
-        if config is None:
-            raise KHAError(f"{self.folder} has no readable config.json: not a transformers checkpoint folder")
-        check_config_numbers(config, where)
-        if not self.has_weights:
-            return
-        tensors = self.tensors
-        check_weights_match_config(config, tensors, where)
-        head = next((name for name in architectures_of(config, where) if name.endswith(HEAD_SUFFIXES)), None)
-        check_head_weights(config, kha_head_name(head) if head else "KHAForCausalLM", tensors, where)
-        model_type = self.model_type
-        if model_type not in FAMILIES and not self.is_multimodal:
-            return  # another architecture: transformers (or its remote code) checks its own
-        fields = {k: v for k, v in config.items() if k != "model_type"}
-        try:
-            built = KHAConfig(**fields) if self.is_kha else base_config_class(model_type)(**fields)
-        except Exception as err:  # the family's config class rejects what it cannot use, in its own words
-            raise KHAError(f"{where}: {str(err).strip().splitlines()[0]}") from err
-        if self.is_multimodal:
-            check_multimodal_weights(built, tensors, where)
-        else:
-            check_attention_layout(built, tensors, where)
-            base = built.to_base_config() if self.is_kha else built
-            check_tensor_shapes(model_tensor_shapes(base, where), tensors, where)
-            check_tied_output(base, tensors, self.folder, where)
+        """For a tool that learns only later that it needs a causal LM (`open_checkpoint`'s CAUSAL_LM otherwise)."""
+        refuse_task_head(self.folder, self.task_head())
 
 
-def open_checkpoint(folder: str | Path, required: bool = False) -> Checkpoint:
-    """FOLDER as a `Checkpoint`: its config.json parsed now, its safetensors headers when first used.
-    REQUIRED (the conversion tools): a missing or unreadable config.json is refused here, in `read_config`'s words
-    (they then take the headers through `Checkpoint.weights`, which refuses a folder without weights); otherwise
-    the value's config is None (`Checkpoint.check` refuses such a folder)."""
+def open_checkpoint(
+    folder: str | Path,
+    required: bool = False,
+    accept=None,
+    build=None,
+    trust_remote_code: bool | None = None,
+    causal_lm: bool | str = False,
+) -> Checkpoint:
+    """FOLDER read and checked: one-line KHAError when config.json cannot describe the safetensors weights (its
+    numbers, the layer count, vocabulary, head, attention layout, every tensor's shape and floating dtype: a
+    multimodal model's every parameter, a decoder's every tensor the model has).
+
+    REQUIRED (the conversion tools): a missing or unreadable config.json is refused in `read_config`'s words (else
+    as "no readable config.json"), and so is a folder without safetensors weights.
+    ACCEPT(config, folder): the tool's own rule on the parsed config (the model types it takes), run first.
+    BUILD(config, folder): the config object the tool builds from it once its numbers are checked (then used here),
+    in the tool's words where the family's class rejects it. No header is read before.
+    TRUST_REMOTE_CODE (a tool that loads the model): a folder that ships its own code is refused unless True.
+    CAUSAL_LM: a task head (reward model, classifier) is refused: loaded as a causal LM it gets a random lm_head (a
+    string: why, in the tool's words)."""
     folder = Path(folder)
-    return Checkpoint(folder, read_config(folder) if required else read_config_dict(folder))
+    config = _parse_config(folder)
+    if isinstance(config, str):
+        raise NoConfig(
+            config if required else f"{folder} has no readable config.json: not a transformers checkpoint folder"
+        )
+    if accept is not None:
+        accept(config, folder)
+    check_config(config, folder, trust_remote_code)
+    built = build(config, folder) if build is not None else None
+    tensors = read_checkpoint_index(folder) if required or has_weights(folder) else {}
+    return Checkpoint(folder, config, tensors, *check_weights(folder, config, tensors, built, causal_lm))
 
 
 def check_not_task_head(folder: Path) -> None:
-    """`Checkpoint.check_not_task_head` of FOLDER (a tool that loads it later, by its own path)."""
-    open_checkpoint(folder).check_not_task_head()
+    """FOLDER (a tool that loads it later, by its own path) is no task head: its config.json and headers only."""
+    tensors = read_checkpoint_index(folder) if has_weights(folder) else {}
+    refuse_task_head(folder, task_head(read_config_dict(folder) or {}, tensors, str(folder / CONFIG_FILE)))

@@ -7,6 +7,7 @@ header gives every tensor's dtype, shape and byte range, so the whole layout is 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,6 @@ from pathlib import Path
 import torch
 
 from ..common.errors import KHAError
-from .paths import member_path
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -134,6 +134,25 @@ def _check_entry(path: Path, key: str, info) -> tuple[int, int]:
     return offsets[0], offsets[1]
 
 
+def member_path(folder: Path, name: str, what: str = "file") -> Path:
+    """FOLDER/NAME for a file name read from a checkpoint (e.g. a shard in model.safetensors.index.json).
+
+    Only plain names are accepted: no absolute path, no separator, no `..`, so nothing outside FOLDER is read
+    from or written to. (The file itself may be a symbolic link, as in the Hugging Face cache.)
+    """
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or os.path.isabs(name)
+    ):
+        raise KHAError(f"refusing {what} name {name!r} in {folder}: it must be a plain file name inside the folder")
+    return folder / name
+
+
 def read_index(folder: Path) -> dict[str, str]:
     """The weight_map of FOLDER/model.safetensors.index.json, checked: tensor name -> plain shard file name."""
     index_path = folder / INDEX_FILE
@@ -159,7 +178,7 @@ def read_checkpoint_index(folder: Path) -> dict[str, TensorInfo]:
     elif (folder / SINGLE_FILE).is_file():
         weight_map, files = {}, [SINGLE_FILE]
     else:
-        raise KHAError(f"no safetensors weights in {folder} (expected {SINGLE_FILE} or {INDEX_FILE})")
+        raise no_weights(folder)
     missing = [name for name in files if not (folder / name).is_file()]
     if missing:
         raise KHAError(f"shard {missing[0]} is named in {INDEX_FILE} but missing from {folder}")
@@ -177,3 +196,8 @@ def read_checkpoint_index(folder: Path) -> dict[str, TensorInfo]:
 
 def shard_files(tensors: dict[str, TensorInfo]) -> list[str]:
     return sorted({info.file for info in tensors.values()})
+
+
+def no_weights(folder: Path) -> KHAError:
+    """The refusal of a folder without safetensors weights, for a tool that needs them."""
+    return KHAError(f"no safetensors weights in {folder} (expected {SINGLE_FILE} or {INDEX_FILE})")

@@ -39,28 +39,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..common.errors import KHAError
-
-    if not args.out.lower().endswith(".gguf"):
-        if args.outtype != "auto" or args.tokenizer_pre:
-            raise KHAError("--outtype and --tokenizer-pre apply to a GGUF output only (an OUT ending in .gguf)")
-    else:
-        from ..conversion.gguf_export import export_gguf, refuse_folder_options
-
-        refuse_folder_options(args.partial, args.link)
-        result = export_gguf(
-            args.kha_dir, args.out, args.outtype, overwrite=args.overwrite, tokenizer_pre=args.tokenizer_pre
-        )
-        for warning in result.warnings:
-            print(f"note: {warning}")
-        print(
-            f"wrote {result.output}: GGUF for llama.cpp (architecture {result.arch}, {result.outtype}, "
-            f"{result.size / 2**20:.1f} MiB), {len(result.folded)} knock tensors folded"
-        )
-        return 0
     from ..conversion.fold import fold
 
-    result = fold(args.kha_dir, args.out, partial=args.partial, overwrite=args.overwrite, link=args.link)
-    kind = "KHA checkpoint (value MLP kept)" if result.kept_kha else "plain checkpoint"
-    print(f"wrote {result.output}: {kind}, {len(result.folded)} knock tensors folded")
+    options = {"outtype": args.outtype, "tokenizer_pre": args.tokenizer_pre}
+    print(fold(args.kha_dir, args.out, args.partial, args.overwrite, args.link, **options).summary)
     return 0

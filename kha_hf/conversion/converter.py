@@ -23,20 +23,14 @@ from tqdm.auto import tqdm
 
 from ..checkpoint.checks import (
     architectures_of,
-    check_attention_layout,
-    check_config_numbers,
-    check_head_weights,
     check_knocks_fit,
-    check_multimodal_weights,
-    check_tied_output,
-    check_weights_match_config,
 )
-from ..checkpoint.knock_tensors import initial_knock_tensors, layer_prefix
+from ..checkpoint.knock_tensors import initial_knock_tensors
 from ..checkpoint.loading import PROCESSOR_FILES, TOKENIZER_FILES
 from ..checkpoint.output import atomic_output_dir, carry_over_files, place_file, report_placement
 from ..checkpoint.paths import check_destination, check_free_space, check_source_links
 from ..checkpoint.reader import open_checkpoint
-from ..checkpoint.safetensors_index import INDEX_FILE, SINGLE_FILE, TensorInfo, shard_files
+from ..checkpoint.safetensors_index import INDEX_FILE, SINGLE_FILE, shard_files
 from ..common.errors import KHAError
 from ..common.model_card import SourceCard, kha_card, read_source_card
 from ..common.model_code import copy_model_code
@@ -198,6 +192,8 @@ def _verify(base: Path, kha_dir: Path, dtype: str | None, what: str) -> None:
 
 
 def check_base_config(base_config: dict, folder: Path) -> None:
+    """`open_checkpoint`'s ACCEPT for `kha convert`: a base (not KHA) model of a family KHA knows, with a head KHA
+    has a class for, and the fields the conversion reads."""
     model_type = base_config.get("model_type")
     if model_type == KHAConfig.model_type:
         raise KHAError(f"{folder} is already a KHA checkpoint (model_type 'kha')")
@@ -209,44 +205,23 @@ def check_base_config(base_config: dict, folder: Path) -> None:
         kha_architecture(architectures_of(base_config, str(folder / "config.json")), model_type)
     except ValueError as err:
         raise KHAError(f"{folder}: {err}") from err
-    text_config = base_config
     if multimodal_text_type(model_type) is not None:  # its text decoder's fields may be left to their defaults
-        text_config = base_config.get("text_config")
-        if not isinstance(text_config, dict):
+        if not isinstance(base_config.get("text_config"), dict):
             raise KHAError(f"{folder / 'config.json'}: a {model_type} model needs a text_config object")
     else:
         missing = [name for name in REQUIRED_FIELDS if name not in base_config]
         if missing:
             raise KHAError(f"{folder / 'config.json'} lacks required fields: {', '.join(missing)}")
-    check_config_numbers(base_config, str(folder / "config.json"))  # its text_config and vision_config too
 
 
-def check_layout(config: KHAConfig, base_config: dict, tensors: dict[str, TensorInfo], folder: Path) -> None:
-    """The weights must match the config: layer count, vocabulary and the attention projections' sizes (of the text
-    decoder, in a multimodal model: the vision tower is left as it is); a model type that is not in the family
-    table must also be buildable (its attention code follows a known layout)."""
-    where = str(folder / "config.json")
-    text = config.knock_config
-    if config.is_multimodal:
-        prefix = layer_prefix(tensors, config)
-        text_tensors = {name: info for name, info in tensors.items() if name.startswith(prefix)}
-        check_weights_match_config(text.to_dict(), text_tensors, f"{where} (text_config)")
-        check_attention_layout(text, text_tensors, f"{where} (text_config)")
-        check_multimodal_weights(config, tensors, where)  # the vision tower and projector the config names, too
-    else:
-        check_weights_match_config(base_config, tensors, where)
-        check_attention_layout(config, tensors, where)
-        check_tied_output(config, tensors, folder, where)  # as fold, GGUF export and every reader of a KHA folder
-    # the head the KHA checkpoint will name is in the weights, in the config's shape (a causal LM holds none)
-    check_head_weights(
-        base_config, kha_architecture(base_config.get("architectures"), config.base_model_type), tensors, where
-    )
-    if config.is_multimodal or not family_spec(text.base_model_type).verified:
+def check_buildable(config: KHAConfig) -> None:
+    """A model type that is not in the family table must be buildable: its attention code follows a known layout."""
+    if config.is_multimodal or not family_spec(config.knock_config.base_model_type).verified:
         from ..modeling.modeling_kha import family_classes
 
         try:
             family_classes(config.base_model_type)
-            family_classes(text.base_model_type)
+            family_classes(config.knock_config.base_model_type)
         except ValueError as err:
             raise KHAError(str(err)) from err
 
@@ -262,24 +237,21 @@ def _convert_folder(
     card: SourceCard,
     knocks_from: TrainedKnocks | None = None,
 ) -> ConversionResult:
-    checkpoint = open_checkpoint(source.folder, required=True)  # config.json now, the headers once, below
-    base_config = checkpoint.config
-    check_base_config(base_config, source.folder)
-    try:
-        if knocks_from is None:
-            config = KHAConfig.from_base(base_config, knock=knock, knock_layers=knock_layers)
-        else:
-            config = adapter_kha_config(base_config, knocks_from, source.folder)
-    except KHAError:
-        raise
-    except Exception as err:  # the family's config class rejects what it cannot use, in its own words
-        raise KHAError(f"invalid {source.folder / 'config.json'}: {err}") from err
-    tensors = checkpoint.weights()
-    try:
-        prefix = layer_prefix(tensors, config)
-    except ValueError as err:
-        raise KHAError(f"{source.folder}: {err}") from err
-    check_layout(config, base_config, tensors, source.folder)
+    def kha_config(base_config: dict, folder: Path) -> KHAConfig:  # `open_checkpoint`'s BUILD
+        try:
+            if knocks_from is None:
+                return KHAConfig.from_base(base_config, knock=knock, knock_layers=knock_layers)
+            return adapter_kha_config(base_config, knocks_from, folder)
+        except KHAError:
+            raise
+        except Exception as err:  # the family's config class rejects what it cannot use, in its own words
+            raise KHAError(f"invalid {folder / 'config.json'}: {err}") from err
+
+    # read and checked, once: its config, then the weights against the KHA model it will be
+    checkpoint = open_checkpoint(source.folder, True, accept=check_base_config, build=kha_config)
+    base_config, config = checkpoint.config, checkpoint.model_config
+    tensors, prefix = checkpoint.tensors, checkpoint.prefix
+    check_buildable(config)
 
     floats = Counter(info.dtype for info in tensors.values() if info.dtype.is_floating_point)
     source_dtype = floats.most_common(1)[0][0] if floats else torch.float32

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -23,7 +24,6 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
-from ..checkpoint.checks import architectures_of, check_head_weights
 from ..checkpoint.knock_reader import open_kha_checkpoint
 from ..checkpoint.output import atomic_output_dir, carry_over_files, place_file, report_placement
 from ..checkpoint.paths import check_destination, check_free_space, check_source_links
@@ -35,12 +35,21 @@ from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, control_refusal,
 from ..modeling.knocks import finite_mask
 from .fold_plan import checked_fold_plan, fold_checked
 
+if TYPE_CHECKING:
+    from .gguf_export import GGUFResult
+
 
 @dataclass
 class FoldResult:
     output: Path
     folded: list[str]  # knock tensors absorbed
     kept_kha: bool  # True for a partial fold (the output is still a KHA model with an MLP value knock)
+
+    @property
+    def summary(self) -> str:
+        """What `kha fold` prints."""
+        kind = "KHA checkpoint (value MLP kept)" if self.kept_kha else "plain checkpoint"
+        return f"wrote {self.output}: {kind}, {len(self.folded)} knock tensors folded"
 
 
 def fold(
@@ -52,7 +61,7 @@ def fold(
     progress: bool = True,
     outtype: str = "auto",
     tokenizer_pre: str | None = None,
-) -> FoldResult:
+) -> FoldResult | GGUFResult:
     """Fold every linear knock of KHA_DIR into its projection and write a stock checkpoint to OUT.
 
     An MLP value knock is non-linear and cannot be folded: refused, unless `partial=True` with linear Q/K knocks,
@@ -72,7 +81,7 @@ def fold(
 
     Returns:
         A `FoldResult`: `output` (the written path), `folded` (the knock tensors absorbed) and `kept_kha` (True for
-        a partial fold, whose output is still a KHA checkpoint).
+        a partial fold, whose output is still a KHA checkpoint); for a `.gguf` OUT, `gguf_export.GGUFResult`.
 
     Raises:
         KHAError: in one line, before anything is written: MLP knocks without `partial`, knocks that are
@@ -80,15 +89,15 @@ def fold(
             `overwrite`) or lies inside KHA_DIR, and for GGUF a family llama.cpp's graph would compute differently.
     """
     if str(out).lower().endswith(".gguf"):
-        from .gguf_export import export_gguf, refuse_folder_options
+        from .gguf_export import export_gguf
 
-        refuse_folder_options(partial, link)
-        result = export_gguf(kha_dir, out, outtype, overwrite=overwrite, tokenizer_pre=tokenizer_pre, progress=progress)
-        return FoldResult(result.output, result.folded, False)
+        return export_gguf(kha_dir, out, outtype, overwrite, tokenizer_pre, progress, partial=partial, link=link)
+    if outtype != "auto" or tokenizer_pre:
+        raise KHAError("--outtype and --tokenizer-pre apply to a GGUF output only (an OUT ending in .gguf)")
     kha_dir = Path(kha_dir)
     out = check_destination(out, [kha_dir], overwrite)
     check_source_links(kha_dir)  # no link out of KHA_DIR: nothing from elsewhere is copied into OUT
-    kha = open_kha_checkpoint(kha_dir)
+    kha = open_kha_checkpoint(kha_dir)  # read and checked: config, weights, head, knocks
     config, tensors = kha.config, kha.tensors
     if config.control_knocks:
         raise KHAError(control_refusal(f"{kha_dir}: {config.control_knocks}", "kha fold"))
@@ -109,15 +118,10 @@ def fold(
             )
         if not linear:
             raise KHAError(f"nothing to fold: this model has no linear knocks (only the {names} MLP)")
-    raw, where = kha.checkpoint.config, kha.checkpoint.where
     lm = "KHAForConditionalGeneration" if config.is_multimodal else "KHAForCausalLM"
-    kind = next((name for name in architectures_of(raw, where) if name in TASK_HEADS), lm)
+    kind = next((name for name in config.architectures or () if name in TASK_HEADS), lm)
     if kind != lm and kind not in family_heads(config.base_model_type):
         raise KHAError(f"{kha_dir}: {config.base_model_type} has no {kind.removeprefix('KHAFor')} head in transformers")
-    check_head_weights(raw, kind, tensors, where)  # the head is written out as it is: it must be the one named
-    # the stock config written must describe these weights: layers, every tensor's shape and dtype (a multimodal
-    # model's vision tower too), as gguf export, verify and serve check them
-    kha.checkpoint.check()
     plan, folded_knocks = checked_fold_plan(kha, linear)
     dropped = set(folded_knocks)
 

@@ -32,19 +32,11 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ..checkpoint.checks import (
-    check_attention_layout,
-    check_config_numbers,
-    check_tensor_shapes,
-    check_tied_output,
-    check_weights_match_config,
-    model_tensor_shapes,
-)
-from ..checkpoint.knock_reader import open_kha_checkpoint
+from ..checkpoint.knock_reader import KHACheckpoint, kha_config
 from ..checkpoint.knock_tensors import KNOCK_KEY
 from ..checkpoint.output import atomic_output_file
 from ..checkpoint.paths import check_file_destination, check_free_space, check_place, check_source_links
-from ..checkpoint.reader import open_checkpoint
+from ..checkpoint.reader import Checkpoint, open_checkpoint
 from ..common.errors import KHAError
 from ..common.version import __version__
 from ..modeling.configuration_kha import TARGET_WORDS, control_refusal, mlp_knocks_phrase
@@ -95,6 +87,16 @@ class GGUFResult:
     outtype: str
     size: int  # bytes
     warnings: list[str]
+    kept_kha = False  # a GGUF file is always fully folded
+
+    @property
+    def summary(self) -> str:
+        """What `kha fold` prints: the notes, then the file written."""
+        notes = "".join(f"note: {warning}\n" for warning in self.warnings)
+        return (
+            f"{notes}wrote {self.output}: GGUF for llama.cpp (architecture {self.arch}, {self.outtype}, "
+            f"{self.size / 2**20:.1f} MiB), {len(self.folded)} knock tensors folded"
+        )
 
 
 @dataclass
@@ -114,8 +116,11 @@ def export_gguf(
     overwrite: bool = False,
     tokenizer_pre: str | None = None,
     progress: bool = True,
+    partial: bool = False,
+    link: bool = False,
 ) -> GGUFResult:
-    """Fold KHA_DIR's linear knocks (a plain checkpoint of a supported family needs none) and write OUT.gguf."""
+    """Fold KHA_DIR's linear knocks (a plain checkpoint of a supported family needs none) and write OUT.gguf.
+    PARTIAL and LINK, `kha fold`'s folder-only options, are refused."""
     try:
         import gguf
     except ImportError as err:
@@ -123,6 +128,7 @@ def export_gguf(
 
     from .gguf_vocab import read_vocab
 
+    refuse_folder_options(partial, link)
     kha_dir = Path(kha_dir)
     if outtype not in OUTTYPES:
         raise KHAError(f"unknown GGUF type {outtype!r}; choose one of {', '.join(OUTTYPES)}")
@@ -131,18 +137,15 @@ def export_gguf(
     if not kha_dir.is_dir():
         raise KHAError(f"{kha_dir} is not a folder: KHA_DIR must be a checkpoint folder")
     check_source_links(kha_dir)
-    checkpoint = open_checkpoint(kha_dir, required=True)
-    raw = checkpoint.config
-    head = checkpoint.task_head()
-    if head is not None:
-        raise KHAError(
-            f"{kha_dir} is a {head}, not a causal LM: the GGUF export writes language models only; "
-            f"fold it to a folder (`kha fold KHA_DIR OUT`) and run it with transformers"
-        )
+    not_lm = (
+        "not a causal LM: the GGUF export writes language models only; fold it to a folder (`kha fold KHA_DIR OUT`) "
+        "and run it with transformers"
+    )
+    checkpoint = open_checkpoint(kha_dir, True, accept=_known_type, build=_gguf_config, causal_lm=not_lm)
     warnings: list[str] = []
     kha = None
     if checkpoint.is_kha:
-        kha = open_kha_checkpoint(checkpoint)
+        kha = KHACheckpoint.of(checkpoint)
         config = kha.config
         if config.control_knocks:
             raise KHAError(control_refusal(f"{kha_dir}: {config.control_knocks}", "the GGUF export"))
@@ -152,8 +155,7 @@ def export_gguf(
         base, model_type = config.to_base_config(), config.base_model_type
     else:
         config, linear = None, []
-        model_type = raw.get("model_type")
-        base = _plain_config(raw, kha_dir)
+        base, model_type = checkpoint.model_config, checkpoint.model_type
     family = FAMILIES.get(model_type)
     if family is None:
         raise KHAError(
@@ -161,7 +163,7 @@ def export_gguf(
             f"({', '.join(sorted(FAMILIES))}); for this one, fold to a folder (`kha fold KHA_DIR OUT`) and use "
             "llama.cpp's convert_hf_to_gguf.py if llama.cpp supports it"
         )
-    tensors = checkpoint.weights()
+    tensors = checkpoint.tensors
     plan: dict = {}
     folded: list[str] = []
     if kha is not None:
@@ -169,7 +171,7 @@ def export_gguf(
     elif any(KNOCK_KEY.match(n) for n in tensors):
         raise KHAError(f"{kha_dir}: knock tensors in a checkpoint whose config.json is not a KHA config")
 
-    check_checkpoint_tensors(raw, base, tensors, kha_dir)
+    check_checkpoint_tensors(checkpoint)
     check_metadata_ranges(base, kha_dir)
     if tokenizer_pre is not None and tokenizer_pre not in KNOWN_PRE_TYPES:
         raise KHAError(
@@ -270,27 +272,24 @@ FILE_TYPES = {
 }
 
 
-def check_checkpoint_tensors(raw: dict, base, tensors: dict, folder: Path) -> None:
-    """The weights are what BASE (the base config) builds, name for name and shape for shape, in floating point
-    (knocks and the tied output aside): a config that does not describe them would give a file llama.cpp loads with
-    other sizes or cannot load at all. The layer count and sizes are compared first, from the headers alone, so that
-    an absurd config builds nothing."""
-    where = str(folder / "config.json")
-    check_weights_match_config(raw, tensors, where)
-    check_attention_layout(base, tensors, where)
-    expected = model_tensor_shapes(base, where)
-    given = {name: info for name, info in tensors.items() if not KNOCK_KEY.match(name)}
-    if getattr(base, "tie_word_embeddings", False) and "lm_head.weight" in given:
-        check_tied_output(base, given, folder, where)  # one rule with convert and fold: a different head is refused
-        given.pop("lm_head.weight")  # equal to the embeddings: the tied output llama.cpp builds
-    missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+def check_checkpoint_tensors(checkpoint: Checkpoint) -> None:
+    """The weights are the tensors the config builds, name for name (knocks and the tied output aside): a config that
+    does not describe them would give a file llama.cpp loads with other sizes or cannot load at all. Their shapes,
+    dtypes and the tied output were checked when the folder was opened (`open_checkpoint`); llama.cpp also needs
+    the set exact."""
+    expected = checkpoint.shapes or {}
+    given = {name for name in checkpoint.tensors if not KNOCK_KEY.match(name)}
+    if getattr(checkpoint.model_config, "tie_word_embeddings", False):
+        given.discard(
+            "lm_head.weight"
+        )  # equal to the embeddings (checked when opened): the tied output llama.cpp builds
+    missing, extra = sorted(set(expected) - given), sorted(given - set(expected))
     if missing or extra:
         tied = " (tie_word_embeddings is true, yet the weights hold lm_head)" if "lm_head.weight" in extra else ""
         raise KHAError(
-            f"{where} does not describe the weights: {len(missing)} tensors missing {missing[:2]}, {len(extra)} not "
-            f"in this architecture {extra[:2]}{tied}"
+            f"{checkpoint.where} does not describe the weights: {len(missing)} tensors missing {missing[:2]}, "
+            f"{len(extra)} not in this architecture {extra[:2]}{tied}"
         )
-    check_tensor_shapes(expected, given, str(folder))
 
 
 UINT32_FIELDS = ("max_position_embeddings", "sliding_window", "num_hidden_layers", "hidden_size", "intermediate_size")
@@ -314,15 +313,23 @@ def check_metadata_ranges(base, folder: Path) -> None:
             raise KHAError(f"{where}: rope_theta must be a positive float32 number, got {theta!r}")
 
 
-def _plain_config(raw: dict, folder: Path):
+def _known_type(raw: dict, folder: Path) -> None:
+    """`open_checkpoint`'s ACCEPT: a KHA config, or a plain one of a model type transformers knows."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = raw.get("model_type")
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+    if model_type != "kha" and (not isinstance(model_type, str) or model_type not in CONFIG_MAPPING):
         raise KHAError(f"{folder / 'config.json'}: unknown model_type {model_type!r}")
-    check_config_numbers(raw, str(folder / "config.json"))
+
+
+def _gguf_config(raw: dict, folder: Path):
+    """`open_checkpoint`'s BUILD: the KHA config (`kha_config`), or the plain one transformers builds."""
+    if raw.get("model_type") == "kha":
+        return kha_config(raw, folder)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     try:
-        return CONFIG_MAPPING[model_type](**{k: v for k, v in raw.items() if k != "model_type"})
+        return CONFIG_MAPPING[raw["model_type"]](**{k: v for k, v in raw.items() if k != "model_type"})
     except Exception as err:
         raise KHAError(f"invalid {folder / 'config.json'}: {err}") from err
 

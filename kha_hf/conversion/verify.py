@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.knock_reader import open_kha_checkpoint
+from ..checkpoint.knock_reader import NotAKHACheckpoint, open_kha_checkpoint
 from ..checkpoint.reader import Checkpoint, open_checkpoint
 from ..common.errors import KHAError
 
@@ -101,20 +101,18 @@ def verify_conversion(
     check_model_ref(base, "BASE")
     check_model_ref(kha_dir, "KHA_DIR")
     check_device(device)
-    kha = _open_local(kha_dir)
-    if kha is None or not kha.is_kha:
+    kha = _open_local(kha_dir, kha=True)  # read and checked, knocks too: each one there, d_h x d_h floating point
+    if kha is None:
         raise KHAError(f"{kha_dir} is not a KHA checkpoint folder (its config.json has no model_type 'kha')")
-    base_checkpoint = _open_local(base)
-    for checkpoint in (base_checkpoint, kha):  # both, before either is loaded
-        if checkpoint is not None:
-            checkpoint.check()
-    open_kha_checkpoint(kha)  # its knocks, as fold and inspect check them: each one there, d_h x d_h floating point
-    head = kha.task_head()
+    base_checkpoint = _open_local(base, trust_remote_code=trust_remote_code)  # both, before either is loaded
+    head = kha.checkpoint.task_head()
     if head is not None:  # a reward model or classifier: its head's outputs, exactly
-        checkpoints = (base_checkpoint, kha)
+        checkpoints = (base_checkpoint, kha.checkpoint)
         return verify_task_head(
             base, kha_dir, head, device, dtype, prompts, echo, tokenizer, trust_remote_code, checkpoints
         )
+    if base_checkpoint is not None:
+        base_checkpoint.check_not_task_head()
     base_model, _ = load_causal_lm(
         base,
         dtype,
@@ -132,7 +130,7 @@ def verify_conversion(
         attn_implementation="eager",
         tokenizer=tokenizer,
         offer_tokenizer=offer_tokenizer,
-        checked=kha,
+        checked=kha.checkpoint,
     )
     if getattr(kha_model.config, "model_type", None) != "kha":
         raise KHAError(f"{kha_dir} is not a KHA checkpoint")
@@ -155,13 +153,20 @@ def verify_conversion(
     return report
 
 
-def _open_local(ref: str | Path) -> Checkpoint | None:
-    """REF's checkpoint folder, opened (`open_checkpoint`), when REF is a local folder of safetensors weights (not a
-    Hub id, not a GGUF file)."""
+def _open_local(ref: str | Path, kha: bool = False, trust_remote_code: bool = False):
+    """REF's checkpoint folder, opened and checked, when REF is a local folder of safetensors weights (not a Hub id,
+    not a GGUF file); KHA: as a `KHACheckpoint`, None when it is not a KHA checkpoint."""
     from ..checkpoint.loading import find_gguf
 
     folder = Path(ref)
-    return open_checkpoint(folder) if folder.is_dir() and find_gguf(folder) is None else None
+    if not folder.is_dir() or find_gguf(folder) is not None:
+        return None
+    if not kha:
+        return open_checkpoint(folder, trust_remote_code=trust_remote_code)
+    try:
+        return open_kha_checkpoint(folder)
+    except NotAKHACheckpoint:
+        return None
 
 
 def verify_task_head(
@@ -183,13 +188,7 @@ def verify_task_head(
     import transformers
 
     from ..checkpoint.checks import num_labels
-    from ..checkpoint.loading import (
-        check_remote_code_allowed,
-        describe_error,
-        load_tokenizer,
-        remote_code_kwargs,
-        torch_dtype,
-    )
+    from ..checkpoint.loading import describe_error, load_tokenizer, remote_code_kwargs, torch_dtype
     from ..modeling.configuration_kha import TASK_HEADS
 
     if head not in TASK_HEADS:
@@ -197,11 +196,10 @@ def verify_task_head(
     base_head = checkpoints[0].task_head() if checkpoints[0] is not None else None
     if base_head is None or not base_head.endswith(head.removeprefix("KHA")):
         raise KHAError(f"{kha_dir} is a {head}; BASE {base} is {base_head or 'not a checkpoint of that kind'}")
-    labels = [num_labels(checkpoint.config or {}) for checkpoint in checkpoints]
+    labels = [num_labels(checkpoint.config) for checkpoint in checkpoints]
     if head != "KHAForQuestionAnswering" and labels[0] != labels[1]:
         raise KHAError(f"BASE {base} has {labels[0]} labels, {kha_dir} has {labels[1]}: not a conversion of it")
     auto = getattr(transformers, TASK_HEADS[head][0])
-    check_remote_code_allowed(checkpoints[0], trust_remote_code)
     tok = load_tokenizer(base, tokenizer, trust_remote_code, checkpoint=checkpoints[0])
     kwargs = {"dtype": torch_dtype(dtype), "attn_implementation": "eager"}
     models = []

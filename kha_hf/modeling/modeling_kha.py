@@ -26,6 +26,7 @@ import contextvars
 import json
 import math
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,14 +65,18 @@ def _drop_stale_knocks_file(folder: Path) -> None:
         (folder / KNOCKS_FILE).unlink()
 
 
-def _apply_umask(folder: Path) -> None:
-    """safetensors writes weight files owner-only (0600); give them the mode a plain copy would have. Files with
-    several links (shared with another checkpoint) are left alone."""
+def apply_umask(folder: Path, pattern: str = "*.safetensors", folder_too: bool = False) -> None:
+    """safetensors and tempfile write owner-only files (0600), tempfile.mkdtemp an owner-only folder: give FOLDER's
+    files that match PATTERN (and with FOLDER_TOO the folder itself) the modes a plain copy would have. Files with
+    several links (shared with another checkpoint: their mode is the source's) or another mode (a user's choice)
+    are left alone. kha's own output folders take it too (`kha_hf/checkpoint/output.py`)."""
     umask = os.umask(0)
     os.umask(umask)
-    for path in folder.glob("*.safetensors"):
+    if folder_too:
+        folder.chmod(0o777 & ~umask)
+    for path in folder.glob(pattern):
         info = path.lstat()
-        if path.is_file() and not path.is_symlink() and info.st_nlink == 1 and info.st_mode & 0o777 == 0o600:
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_mode & 0o777 == 0o600:
             path.chmod(0o666 & ~umask)
 
 
@@ -297,7 +302,7 @@ class KHAPreTrainedModel(PreTrainedModel):
         if is_main_process and not kwargs.get("push_to_hub"):
             _drop_stale_knocks_file(Path(save_directory))
             _tag_model_card(Path(save_directory), self.config.base_model_type)
-            _apply_umask(Path(save_directory))
+            apply_umask(Path(save_directory))
         return result
 
     @classmethod

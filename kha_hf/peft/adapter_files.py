@@ -126,14 +126,14 @@ def write_knock_adapter(
     if not kha_dir.is_dir():
         raise KHAError(f"{kha_dir} is not a folder: KHA_DIR must be a KHA checkpoint folder")
     check_source_links(kha_dir)
-    kha = open_kha_checkpoint(kha_dir)  # a KHA checkpoint, its values and knocks checked, before a model is built
-    kha.checkpoint.check_not_task_head()  # its body would not load into the causal LM whose knocks are saved
+    # read and checked before a model is built: its values, weights and knocks; a task head's body would not load
+    # into the causal LM whose knocks are saved
+    kha = open_kha_checkpoint(kha_dir, causal_lm=True)
     if kha.checkpoint.is_multimodal:
         raise KHAError(
             f"{kha_dir} is a multimodal KHA checkpoint: knock adapters are made for stock text decoders only; "
             "serve or fine-tune the KHA checkpoint itself"
         )
-    kha.checkpoint.check()  # config.json describes the weights: no random layer, no misshapen tensor in the model
     kha.read_knocks()  # NaN or infinite knocks refused
     try:
         model = KHAForCausalLM.from_pretrained(kha_dir)
@@ -165,7 +165,7 @@ def check_adapter_fits(base: str | Path, folder: str | Path) -> TrainedKnocks:
     if not path.is_dir() or find_gguf(path) is not None:
         return adapter
     checkpoint = open_checkpoint(path)
-    config = checkpoint.config or {}
+    config = checkpoint.config
     if checkpoint.is_kha:
         raise KHAError(f"{base} is a KHA checkpoint (it has knocks already): a knock adapter goes on the stock model")
     try:

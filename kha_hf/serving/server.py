@@ -45,12 +45,11 @@ from ..checkpoint.loading import (
     check_model_ref,
     check_processor_bounds,
     check_processor_needs_no_code,
-    check_remote_code_allowed,
     describe_error,
     has_processor_files,
     is_multimodal_checkpoint,
 )
-from ..checkpoint.reader import open_checkpoint
+from ..checkpoint.reader import NoConfig, open_checkpoint
 from ..common.errors import KHAError
 from .errors import RequestError
 from .fields import MIN_TEMPERATURE
@@ -276,16 +275,14 @@ def check_serve_inputs(
     path = Path(model).expanduser()
     if not path.exists():
         return str(model)  # a Hub id
-    checkpoint = open_checkpoint(path) if path.is_dir() else None
-    if checkpoint is None or checkpoint.config is None:
-        raise KHAError(f"{model} is not a model folder (it has no readable config.json)")
+    try:  # read and checked: a folder that ships code it may not run, a task head served as a causal LM
+        checkpoint = open_checkpoint(path, trust_remote_code=trust_remote_code, causal_lm=True)
+    except NoConfig:
+        raise KHAError(f"{model} is not a model folder (it has no readable config.json)") from None
     is_kha = checkpoint.is_kha
-    check_remote_code_allowed(checkpoint, trust_remote_code)
     if is_kha:
         check_processor_needs_no_code(path)  # its processor loads without code (KHAModelManager._load_processor)
     check_processor_bounds(path)  # one small image resized to gigabytes (any checkpoint: its processor serves images)
-    checkpoint.check_not_task_head()  # served as a causal LM, a reward model would answer with a random lm_head
-    checkpoint.check()
     check_generation_config(path, checkpoint.config)
     if is_kha and not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise KHAError(f"{model} has no tokenizer files: copy the base model's tokenizer into it to serve it")

@@ -93,18 +93,17 @@ def check_positions(config, seq_len: int) -> None:
 def check_trainable_config(folder: Path):
     """A local MODEL must be a KHA checkpoint or a base checkpoint of a supported family; returns the opened,
     checked `Checkpoint`."""
-    checkpoint = open_checkpoint(folder)
-    if checkpoint.config is None:
-        raise KHAError(f"{folder} has no readable config.json: not a transformers checkpoint folder")
-    model_type = checkpoint.config.get("model_type")
+    return open_checkpoint(folder, accept=_trainable, causal_lm=True)  # a reward model would get a random lm_head
+
+
+def _trainable(config: dict, folder: Path) -> None:
+    """`open_checkpoint`'s ACCEPT: a KHA checkpoint or a base checkpoint of a supported family."""
+    model_type = config.get("model_type")
     if model_type != "kha" and model_type not in SUPPORTED_BASE_MODEL_TYPES:
         raise KHAError(
             f"{folder} is a {model_type!r} model; kha trains KHA checkpoints and base checkpoints of: "
             f"{', '.join(SUPPORTED_BASE_MODEL_TYPES)} (convert other architectures first: kha convert)"
         )
-    checkpoint.check_not_task_head()  # a reward model trained as a causal LM would get a random lm_head
-    checkpoint.check()
-    return checkpoint
 
 
 def paper_training_arguments(output_dir: Path, **overrides) -> TrainingArguments:

@@ -99,14 +99,14 @@ def test_a_weight_of_another_size_is_a_one_line_load_error_naming_it(tmp_path):
     import torch
 
     from kha_hf.checkpoint.loading import load_causal_lm
-    from kha_hf.checkpoint.reader import open_checkpoint
+    from kha_hf.checkpoint.reader import Checkpoint, read_config
     from kha_hf.common.errors import KHAError
 
     folder = tmp_path / "llama"
     save_tiny_checkpoint(folder, "llama")
     _edit(folder, "lm_head.weight", torch.zeros(300, 65))
     with pytest.raises(KHAError) as err:
-        load_causal_lm(folder, checked=open_checkpoint(folder))
+        load_causal_lm(folder, checked=Checkpoint(folder, read_config(folder), {}))  # a value nobody checked
     assert str(err.value) == (
         f"cannot load model {str(folder)!r}: lm_head.weight is stored with shape [300, 65]; the model its config.json "
         "describes has [300, 64]"

@@ -321,13 +321,19 @@ def test_a_rerun_removes_stale_partials_it_owns_and_keeps_others(tmp_path):
     dead.wait()
     import socket
 
-    stale = tmp_path / ".out.abc123.partial"
-    stale.mkdir()
-    (stale / PARTIAL_MARKER).write_text(f"{socket.gethostname()} {dead.pid}\n")
-    alive = tmp_path / ".out.def456.partial"
-    alive.mkdir()
-    (alive / PARTIAL_MARKER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
-    foreign = tmp_path / ".out.ghi789.partial"
+    def partial(name: str, pid: int) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        record = {"destination": "out", "host": socket.gethostname(), "pid": pid, "state": "writing"}
+        (folder / PARTIAL_MARKER).write_text(json.dumps(record))
+        return folder
+
+    stale, alive = partial(".kha-abc12345.partial", dead.pid), partial(".kha-def45678.partial", os.getpid())
+    foreign = tmp_path / ".kha-ghi78901.partial"  # no marker: not kha's
     foreign.mkdir()
+    old_style = tmp_path / ".out.jkl012.partial"  # kha-hf <= 0.2's name and marker: no longer kha's to remove
+    old_style.mkdir()
+    (old_style / PARTIAL_MARKER).write_text(f"{socket.gethostname()} {dead.pid}\n")
     assert remove_stale_partials(tmp_path / "out") == [stale]
+    assert old_style.exists()
     assert alive.exists() and foreign.exists() and not stale.exists()

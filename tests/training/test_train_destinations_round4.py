@@ -15,8 +15,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from kha_hf.checkpoint.output import PARTIAL_MARKER, resumable_partials
 from kha_hf.checkpoint.paths import OUTPUT_MARKER
 from kha_hf.cli import main
@@ -93,18 +91,14 @@ def test_resume_refuses_an_output_that_is_a_link(kha_dir, tmp_path, capsys):
 
 
 # Medium 7: no partial that is a symbolic link is adopted -------------------------------------------------------
-@pytest.mark.parametrize("name", [".out.legacy12.partial", ".kha-abcd1234.partial"])
-def test_resume_never_adopts_a_linked_partial(kha_dir, tmp_path, capsys, name):
+def test_resume_never_adopts_a_linked_partial(kha_dir, tmp_path, capsys):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     target = fake_run(tmp_path / "elsewhere")
-    if name.startswith(".kha-"):
-        record = {"destination": "out", "host": socket.gethostname(), "pid": dead.pid, "state": "resumable"}
-        (target / PARTIAL_MARKER).write_text(json.dumps(record))
-    else:
-        (target / PARTIAL_MARKER).write_text(f"{socket.gethostname()} {dead.pid}\nresumable\n")
+    record = {"destination": "out", "host": socket.gethostname(), "pid": dead.pid, "state": "resumable"}
+    (target / PARTIAL_MARKER).write_text(json.dumps(record))
     (target / "precious.txt").write_text("keep")
-    (tmp_path / name).symlink_to(target)
+    (tmp_path / ".kha-abcd1234.partial").symlink_to(target)
     before = tree_digest(target)
     err = one_line_error(capsys, ["train", str(kha_dir), "--output", str(tmp_path / "out"), "--resume"], "train")
     assert "nothing to resume" in err

@@ -42,14 +42,13 @@ def knock_args(cfg: Any) -> KnockArgs:
 
 
 def check_kha_base(folder: Path) -> None:
-    """A KHA checkpoint as base_model: kha train's checks (a config that does not describe the weights, a task head
-    trained as a causal LM...), exactly the knock tensors its config describes, and finite knock values (a NaN knock
-    trained to a NaN model that Axolotl logged as loss 0), each refused in one line before Axolotl loads anything."""
+    """A KHA checkpoint as base_model, opened and checked once as kha train opens it (a config that does not
+    describe the weights, a task head trained as a causal LM...), exactly the knock tensors its config describes, and
+    finite knock values (a NaN knock trained to a NaN model that Axolotl logged as loss 0), each refused in one line
+    before Axolotl loads anything."""
     from ...checkpoint.knock_reader import open_kha_checkpoint
-    from ...training.train import check_trainable_config
 
-    check_trainable_config(folder)
-    open_kha_checkpoint(folder).read_knocks()
+    open_kha_checkpoint(folder, causal_lm=True).read_knocks()
 
 
 class KHAPlugin(BasePlugin):
