@@ -442,11 +442,11 @@ def task_head(config: dict, tensors: dict[str, TensorInfo], where: str) -> str |
 
 
 def check_config(config: dict, folder: Path, trust_remote_code: bool | None) -> None:
-    """CONFIG (FOLDER's config.json) alone: `check_remote_code_allowed` where the tool loads the model
-    (TRUST_REMOTE_CODE not None), then `check_config_numbers`."""
+    """CONFIG (FOLDER's config.json) alone: `check_config_numbers`, then `check_remote_code_allowed` where the tool
+    loads the model (TRUST_REMOTE_CODE not None)."""
+    check_config_numbers(config, str(folder / "config.json"))
     if trust_remote_code is not None:
         check_remote_code_allowed(config, folder, trust_remote_code)
-    check_config_numbers(config, str(folder / "config.json"))
 
 
 def check_remote_code_allowed(config: dict, folder: Path, trust_remote_code: bool) -> None:
