@@ -37,7 +37,8 @@ from .engine import KHAModelLoader
 from .errors import RequestError
 from .generation import KHAEngineClient
 from .guard import RequestRegistry, ServeGuard, ServeLimits
-from .handlers import KHAChatCompletionHandler, KHACompletionHandler, KHAResponseHandler, Renders
+from .handlers import KHAChatCompletionHandler, KHACompletionHandler, KHAResponseHandler
+from .render_pool import RenderPool
 
 LOADER_KEYWORDS = ("device", "dtype", "trust_remote_code", "continuous_batching")  # `Serve`'s, for its ModelLoader
 
@@ -51,7 +52,7 @@ class KHAModelManager(ModelManager):
         super().__init__(*args, **kwargs)
 
     def preload_engine(self, force_model: str, engine_connection: tuple | None) -> None:
-        # As transformers 5.25's ModelManager.preload_engine, with kha serve's client of the model's process
+        # As transformers 5.25.0's ModelManager.preload_engine, with kha serve's client of the model's process
         model_id = canonical_model_id(force_model)
         engine = KHAEngineClient(
             model_id,
@@ -98,13 +99,12 @@ class KHAServe(Serve):
 
     def __init__(self, served: str, *, aliases: set[str], limits: ServeLimits, **kwargs) -> None:
         self.kha_aliases, self.kha_limits, self.kha_registry = aliases, limits, RequestRegistry()
-        self.renders = Renders(limits, self.kha_registry)
         self.kha_loading = {key: kwargs[key] for key in LOADER_KEYWORDS if key in kwargs}  # for kha serve's loader
         super().__init__(served, **kwargs)  # runs `run`
 
     def run(self, socket=None, engine_connection: tuple | None = None) -> None:
-        # As transformers 5.25's Serve.run, with kha serve's pieces (see the module doc), serving on a thread of its
-        # own. 5.25's Serve.__init__ builds its own ModelLoader (it takes none): kha serve's replaces it here
+        # As transformers 5.25.0's Serve.run, with kha serve's pieces (see the module doc), serving on a thread of its
+        # own. Workaround: 5.25.0's Serve.__init__ takes no loader and builds a ModelLoader; kha serve's replaces it
         limits = self.kha_limits
         self.loader = KHAModelLoader(**self.kha_loading)
         manager = self.model_manager = KHAModelManager(
@@ -112,7 +112,10 @@ class KHAServe(Serve):
             limits=limits, registry=self.kha_registry,
         )  # fmt: skip
         try:
+            # the render workers start once the server answers (`start_server`), or with the first render
+            self.renders = RenderPool(manager.get_engine(None).processor, memory=limits.render_memory)
             shared = {"model_manager": manager, "generation_state": self.generation_state, "renders": self.renders}
+            shared.update(limits=limits, registry=self.kha_registry)
             template = {"chat_template_kwargs": self.chat_template_kwargs}
             app = build_server(
                 manager,

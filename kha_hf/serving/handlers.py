@@ -24,7 +24,7 @@ allowlist, `fields.py`):
 - the prompt and the new tokens are fitted to the context (and the paged cache), and the generation runs under the
   request's time limit, through `generation.KHAEngineClient.for_request`.
 
-`app.KHAServe` builds these in place of transformers' classes, each with the server's `Renders`.
+`app.KHAServe` builds these in place of transformers' classes.
 """
 
 from __future__ import annotations
@@ -174,33 +174,22 @@ def check_continuous_batching(body: dict, config, model_generation, generation_k
     generation_kwargs["top_k"] = int(top_k) if top_k else int(vocab) if isinstance(vocab, int) else 1 << 30
 
 
-class Renders:
-    """The render workers (`render_pool`) of one server, under its limits: one pool, as kha serve serves one model
-    (made by `start`, before the server says it is ready, or at the first render)."""
+class KHAHandler:
+    """What kha serve's handlers add to transformers' (first among their bases): RENDERS, the server's render workers
+    (one pool: kha serve serves one model), LIMITS, the requests in flight in REGISTRY."""
 
-    def __init__(self, limits: ServeLimits, registry: RequestRegistry) -> None:
-        self.limits, self.registry, self.pool = limits, registry, None
+    def __init__(self, *args, renders: RenderPool, limits: ServeLimits, registry: RequestRegistry, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.renders, self.limits, self.registry = renders, limits, registry
 
-    def start(self, processor) -> None:
-        """The render workers for PROCESSOR, started now."""
-        self.pool = RenderPool(processor, memory=self.limits.render_memory)
-        self.pool.start()
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-
-    async def run(self, engine, job: tuple, started: float, param: str):
+    async def _rendered(self, job: tuple, started: float, param: str):
         """JOB ((kind, args, kwargs): a chat template's render or a completion's tokenisation) run in a render worker,
         within what is left of the request's time limit, counted in /health as work in flight; a failure is a 400, a
         render past the limit (whose worker is ended) a 408."""
-        limits = self.limits
-        if self.pool is None or self.pool.processor is not engine.processor:
-            self.pool = RenderPool(engine.processor, memory=limits.render_memory)
-        key = object()
+        limits, key = self.limits, object()
         self.registry.begin(key)
         try:
-            return await self.pool.run(*job, timeout=started + limits.request_timeout - time.monotonic())
+            return await self.renders.run(*job, timeout=started + limits.request_timeout - time.monotonic())
         except RenderTimedOut:
             raise RequestError(
                 408, f"the prompt did not render within --request-timeout ({limits.request_timeout:g} s)", param
@@ -213,14 +202,6 @@ class Renders:
             raise RequestError(400, f"the prompt could not be rendered: {message}", param) from None
         finally:
             self.registry.end(key)
-
-
-class KHAHandler:
-    """What kha serve's handlers add to transformers' (first among their bases): RENDERS, the server's `Renders`."""
-
-    def __init__(self, *args, renders: Renders, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.renders, self.limits = renders, renders.limits
 
     def _chat_template_kwargs(self, body: dict) -> dict:
         return dict(self.chat_template_kwargs)  # the server's own (kha serve sets none), never a client's
@@ -252,7 +233,7 @@ class KHAChatCompletionHandler(KHAHandler, ChatCompletionHandler):
         engine = self.model_manager.get_engine(body.get("model"))
         check_no_media_tokens(engine.processor, body["messages"], "messages")
         job = self.render_messages(recording(engine), body["messages"], body)
-        inputs = await self.renders.run(engine, job, started, "messages")
+        inputs = await self._rendered(job, started, "messages")
         bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
         tools = body.get("tools")
         if body.get("stream"):
@@ -269,7 +250,7 @@ class KHACompletionHandler(KHAHandler, CompletionHandler):
         engine = self.model_manager.get_engine(body.get("model"))
         tokenizer = getattr(engine.processor, "tokenizer", engine.processor)
 
-        encoded = await self.renders.run(engine, ("tokenize", (body["prompt"],), {}), started, "prompt")
+        encoded = await self._rendered(("tokenize", (body["prompt"],), {}), started, "prompt")
         encoded = {name: encoded[name] for name in ("input_ids", "attention_mask") if name in encoded}
         if not encoded["input_ids"]:
             if tokenizer.bos_token_id is None:
@@ -293,7 +274,7 @@ class KHAResponseHandler(KHAHandler, ResponseHandler):
         check_no_media_tokens(engine.processor, body["input"], "input")
         check_no_media_tokens(engine.processor, body.get("instructions"), "instructions")
         job = self.render_messages(recording(engine), self._normalize_input(body), body)
-        inputs = await self.renders.run(engine, job, started, "input")
+        inputs = await self._rendered(job, started, "input")
         bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
         if body.get("stream", False):
             return self._streaming(request_id, bound, body, inputs, generation_kwargs)

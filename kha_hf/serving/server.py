@@ -301,7 +301,7 @@ def start_server(
         raise KHAError(f"cannot load {model}: {describe_error(err)}") from err
     try:
         wait_until_ready(host, port, ready_timeout)
-        running.renders.start(running.model_manager.get_engine(None).processor)
+        running.renders.start()
     except BaseException:
         running.kill_server()
         raise
