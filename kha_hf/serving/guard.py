@@ -38,7 +38,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .connections import MAX_HEADER_BYTES
 from .errors import RequestError
 from .fields import checked_fields
 
@@ -46,6 +45,7 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 READ_PATHS = ("/health", "/v1/models")
 REFUSED_PATHS = ("/load_model", "/reset")
 REQUEST_ID_HEADER = b"x-request-id"
+MAX_HEADER_BYTES = 16 * 1024  # request headers (uvicorn buffers no more: `connections.KHAUvicornConfig`)
 
 
 @dataclass

@@ -24,8 +24,7 @@ allowlist, `fields.py`):
 - the prompt and the new tokens are fitted to the context (and the paged cache), and the generation runs under the
   request's time limit, through `generation.KHAEngineClient.for_request`.
 
-`kha serve` swaps these in for transformers' classes while its server is being built (as `server.py` does for the
-model manager and the loader).
+`app.KHAServe` builds these in place of transformers' classes.
 """
 
 from __future__ import annotations
@@ -34,6 +33,10 @@ import time
 from types import SimpleNamespace
 
 import torch
+from transformers.cli.serving.chat_completion import ChatCompletionHandler
+from transformers.cli.serving.completion import CompletionHandler
+from transformers.cli.serving.response import ResponseHandler
+from transformers.cli.serving.utils import prompt_length
 
 from .engine import SEED_KWARG
 from .errors import RequestError
@@ -171,25 +174,22 @@ def check_continuous_batching(body: dict, config, model_generation, generation_k
     generation_kwargs["top_k"] = int(top_k) if top_k else int(vocab) if isinstance(vocab, int) else 1 << 30
 
 
-def kha_handler_classes(limits: ServeLimits, registry: RequestRegistry) -> dict[str, type]:
-    """transformers' handler classes, by name, with the checks of the module doc."""
-    from transformers.cli.serving.chat_completion import ChatCompletionHandler
-    from transformers.cli.serving.completion import CompletionHandler
-    from transformers.cli.serving.response import ResponseHandler
-    from transformers.cli.serving.utils import prompt_length
+class KHAHandler:
+    """What kha serve's handlers add to transformers' (first among their bases): RENDERS, the server's render workers
+    (one pool: kha serve serves one model), LIMITS, the requests in flight in REGISTRY."""
 
-    pools: list[RenderPool] = []  # one: kha serve serves one model (made at its first render, on the event loop)
+    def __init__(self, *args, renders: RenderPool, limits: ServeLimits, registry: RequestRegistry, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.renders, self.limits, self.registry = renders, limits, registry
 
-    async def rendered(engine, job: tuple, started: float, param: str):
-        """JOB ((kind, args, kwargs): a chat template's render or a completion's tokenisation) run in a render worker
-        (`render_pool`), within what is left of the request's time limit, counted in /health as work in flight; a
-        failure is a 400, a render past the limit (whose worker is ended) a 408."""
-        if not pools or pools[0].processor is not engine.processor:
-            pools[:] = [RenderPool(engine.processor, memory=limits.render_memory)]
-        key = object()
-        registry.begin(key)
+    async def _rendered(self, job: tuple, started: float, param: str):
+        """JOB ((kind, args, kwargs): a chat template's render or a completion's tokenisation) run in a render worker,
+        within what is left of the request's time limit, counted in /health as work in flight; a failure is a 400, a
+        render past the limit (whose worker is ended) a 408."""
+        limits, key = self.limits, object()
+        self.registry.begin(key)
         try:
-            return await pools[0].run(*job, timeout=started + limits.request_timeout - time.monotonic())
+            return await self.renders.run(*job, timeout=started + limits.request_timeout - time.monotonic())
         except RenderTimedOut:
             raise RequestError(
                 408, f"the prompt did not render within --request-timeout ({limits.request_timeout:g} s)", param
@@ -201,96 +201,81 @@ def kha_handler_classes(limits: ServeLimits, registry: RequestRegistry) -> dict[
                 message = str(err)
             raise RequestError(400, f"the prompt could not be rendered: {message}", param) from None
         finally:
-            registry.end(key)
+            self.registry.end(key)
 
-    def start_renders(processor) -> None:
-        """The render workers for PROCESSOR, started before the server says it is ready."""
-        pools[:] = [RenderPool(processor, memory=limits.render_memory)]
-        pools[0].start()
+    def _chat_template_kwargs(self, body: dict) -> dict:
+        return dict(self.chat_template_kwargs)  # the server's own (kha serve sets none), never a client's
 
-    def close_renders() -> None:
-        for pool in pools:
-            pool.close()
+    async def _limited(self, body: dict, request_id: str, engine, inputs, started: float):
+        """(the engine bound to this request, its generation settings), checked and fitted to the limits."""
+        generation_kwargs = self._build_generation_kwargs(body, engine.generation_config)
+        check_model_settings(body, engine.model_config, generation_kwargs)
+        cache_tokens = None
+        if engine.use_cb:
+            info = await engine.cb_info()
+            check_continuous_batching(body, engine.model_config, engine.generation_config, generation_kwargs, info)
+            cache_tokens = info.get("cache_tokens")
+        elif generation_kwargs.get("seed") is not None:
+            # applied in the model's process to this request's generation only (engine.seeded_generation_isolated)
+            generation_kwargs[SEED_KWARG] = int(generation_kwargs.pop("seed"))
+        asked = next((body[key] for key in ASKED_TOKENS if body.get(key) is not None), None)
+        fit_request(engine.model_config, prompt_length(inputs), asked, generation_kwargs, self.limits, cache_tokens)
+        self._log_request(request_id, engine, inputs, generation_kwargs, body.get("stream"), body)
+        return engine.for_request(request_id, started + self.limits.request_timeout), generation_kwargs
 
-    class Common:
-        def _chat_template_kwargs(self, body: dict) -> dict:
-            return dict(self.chat_template_kwargs)  # the server's own (kha serve sets none), never a client's
 
-        async def _limited(self, body: dict, request_id: str, engine, inputs, started: float):
-            """(the engine bound to this request, its generation settings), checked and fitted to the limits."""
-            generation_kwargs = self._build_generation_kwargs(body, engine.generation_config)
-            check_model_settings(body, engine.model_config, generation_kwargs)
-            cache_tokens = None
-            if engine.use_cb:
-                info = await engine.cb_info()
-                check_continuous_batching(body, engine.model_config, engine.generation_config, generation_kwargs, info)
-                cache_tokens = info.get("cache_tokens")
-            elif generation_kwargs.get("seed") is not None:
-                # applied in the model's process to this request's generation only (engine.seeded_generation_isolated)
-                generation_kwargs[SEED_KWARG] = int(generation_kwargs.pop("seed"))
-            asked = next((body[key] for key in ASKED_TOKENS if body.get(key) is not None), None)
-            fit_request(engine.model_config, prompt_length(inputs), asked, generation_kwargs, limits, cache_tokens)
-            self._log_request(request_id, engine, inputs, generation_kwargs, body.get("stream"), body)
-            return engine.for_request(request_id, started + limits.request_timeout), generation_kwargs
+class KHAChatCompletionHandler(KHAHandler, ChatCompletionHandler):
+    async def handle_request(self, body: dict, request_id: str):
+        # As transformers 5.25's ChatCompletionHandler.handle_request, with the prompt rendered on kha serve's
+        # pool under the time limit, and kha serve's checks and limits
+        started = time.monotonic()
+        self._validate_request(body)
+        engine = self.model_manager.get_engine(body.get("model"))
+        check_no_media_tokens(engine.processor, body["messages"], "messages")
+        job = self.render_messages(recording(engine), body["messages"], body)
+        inputs = await self._rendered(job, started, "messages")
+        bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
+        tools = body.get("tools")
+        if body.get("stream"):
+            return self._streaming(request_id, bound, inputs, generation_kwargs, tools, body.get("stream_options"))
+        return await self._non_streaming(request_id, bound, inputs, generation_kwargs, tools=tools)
 
-    class KHAChatCompletionHandler(Common, ChatCompletionHandler):
-        async def handle_request(self, body: dict, request_id: str):
-            # As transformers 5.25's ChatCompletionHandler.handle_request, with the prompt rendered on kha serve's
-            # pool under the time limit, and kha serve's checks and limits
-            started = time.monotonic()
-            self._validate_request(body)
-            engine = self.model_manager.get_engine(body.get("model"))
-            check_no_media_tokens(engine.processor, body["messages"], "messages")
-            job = self.render_messages(recording(engine), body["messages"], body)
-            inputs = await rendered(engine, job, started, "messages")
-            bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
-            tools = body.get("tools")
-            if body.get("stream"):
-                return self._streaming(request_id, bound, inputs, generation_kwargs, tools, body.get("stream_options"))
-            return await self._non_streaming(request_id, bound, inputs, generation_kwargs, tools=tools)
 
-    class KHACompletionHandler(Common, CompletionHandler):
-        async def handle_request(self, body: dict, request_id: str):
-            # As transformers 5.25's CompletionHandler.handle_request, with the prompt tokenised on kha serve's pool;
-            # an empty prompt starts from the BOS token (5.25 would send the model an empty prompt)
-            started = time.monotonic()
-            self._validate_request(body)
-            engine = self.model_manager.get_engine(body.get("model"))
-            tokenizer = getattr(engine.processor, "tokenizer", engine.processor)
+class KHACompletionHandler(KHAHandler, CompletionHandler):
+    async def handle_request(self, body: dict, request_id: str):
+        # As transformers 5.25's CompletionHandler.handle_request, with the prompt tokenised on kha serve's pool;
+        # an empty prompt starts from the BOS token (5.25 would send the model an empty prompt)
+        started = time.monotonic()
+        self._validate_request(body)
+        engine = self.model_manager.get_engine(body.get("model"))
+        tokenizer = getattr(engine.processor, "tokenizer", engine.processor)
 
-            encoded = await rendered(engine, ("tokenize", (body["prompt"],), {}), started, "prompt")
-            encoded = {name: encoded[name] for name in ("input_ids", "attention_mask") if name in encoded}
-            if not encoded["input_ids"]:
-                if tokenizer.bos_token_id is None:
-                    raise RequestError(400, "prompt is empty and this model has no BOS token to start from", "prompt")
-                encoded = {"input_ids": [tokenizer.bos_token_id], "attention_mask": [1]}
-            inputs = encoded if engine.use_cb else {k: torch.tensor([v]) for k, v in encoded.items()}
-            bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
-            args = (request_id, bound, inputs, generation_kwargs, body.get("suffix"))
-            if body.get("stream"):
-                return self._streaming(*args, body.get("stream_options"))
-            return await self._non_streaming(*args)
+        encoded = await self._rendered(("tokenize", (body["prompt"],), {}), started, "prompt")
+        encoded = {name: encoded[name] for name in ("input_ids", "attention_mask") if name in encoded}
+        if not encoded["input_ids"]:
+            if tokenizer.bos_token_id is None:
+                raise RequestError(400, "prompt is empty and this model has no BOS token to start from", "prompt")
+            encoded = {"input_ids": [tokenizer.bos_token_id], "attention_mask": [1]}
+        inputs = encoded if engine.use_cb else {k: torch.tensor([v]) for k, v in encoded.items()}
+        bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
+        args = (request_id, bound, inputs, generation_kwargs, body.get("suffix"))
+        if body.get("stream"):
+            return self._streaming(*args, body.get("stream_options"))
+        return await self._non_streaming(*args)
 
-    class KHAResponseHandler(Common, ResponseHandler):
-        async def handle_request(self, body: dict, request_id: str):
-            # As transformers 5.25's ResponseHandler.handle_request, with the prompt rendered on kha serve's pool
-            # under the time limit, and kha serve's checks and limits
-            started = time.monotonic()
-            self._validate_request(body)
-            engine = self.model_manager.get_engine(body.get("model"))
-            check_no_media_tokens(engine.processor, body["input"], "input")
-            check_no_media_tokens(engine.processor, body.get("instructions"), "instructions")
-            job = self.render_messages(recording(engine), self._normalize_input(body), body)
-            inputs = await rendered(engine, job, started, "input")
-            bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
-            if body.get("stream", False):
-                return self._streaming(request_id, bound, body, inputs, generation_kwargs)
-            return await self._non_streaming(request_id, bound, body, inputs, generation_kwargs)
 
-    return {
-        "start_renders": start_renders,
-        "close_renders": close_renders,
-        "ChatCompletionHandler": KHAChatCompletionHandler,
-        "CompletionHandler": KHACompletionHandler,
-        "ResponseHandler": KHAResponseHandler,
-    }
+class KHAResponseHandler(KHAHandler, ResponseHandler):
+    async def handle_request(self, body: dict, request_id: str):
+        # As transformers 5.25's ResponseHandler.handle_request, with the prompt rendered on kha serve's pool
+        # under the time limit, and kha serve's checks and limits
+        started = time.monotonic()
+        self._validate_request(body)
+        engine = self.model_manager.get_engine(body.get("model"))
+        check_no_media_tokens(engine.processor, body["input"], "input")
+        check_no_media_tokens(engine.processor, body.get("instructions"), "instructions")
+        job = self.render_messages(recording(engine), self._normalize_input(body), body)
+        inputs = await self._rendered(job, started, "input")
+        bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
+        if body.get("stream", False):
+            return self._streaming(request_id, bound, body, inputs, generation_kwargs)
+        return await self._non_streaming(request_id, bound, body, inputs, generation_kwargs)

@@ -1,22 +1,8 @@
 """`kha serve`: transformers' serving stack (FastAPI + uvicorn, OpenAI-compatible), serving one model safely.
 
-transformers' own `Serve` builds and starts the server. While its constructor runs (and only then, so that nothing
-changes for other code in the process), classes of transformers' serving module and of uvicorn are swapped for
-subclasses, each closing one gap of transformers 5.25:
-
-- `ModelLoader` (`engine.KHAModelLoader`, pickled into the model's process): KHA checkpoints load through the
-  classes kha_hf registered, so their code files never run; 5.25 still resolves a checkpoint's class as
-  `getattr(transformers, config.architectures[0])`.
-- `ModelManager`: hands out `generation.KHAEngineClient`, transformers' client of the model's process with kha
-  serve's limits (context, new tokens, time, disconnects, /health tracking).
-- The chat, completion and response handlers take a client's `chat_template_kwargs`, render on one thread
-  without a time limit, and pass sampling settings on unchecked: see `handlers.py`.
-- `build_server` exposes model loading and unloading to any client and passes any field on: `guard.ServeGuard`
-  (with the allowlists of `fields.py`) is put in front of it; its errors (`{"detail": ...}`) are answered in
-  OpenAI's error format.
-- `uvicorn.Config` has no read timeout and no connection cap: see `connections.py`.
-- `uvicorn.Server`: 5.25's `Serve` serves until stopped, in its constructor (5.24 had `non_blocking=True`): its
-  `run` starts the server on a thread of its own, so that `start_server` returns a `RunningServer`.
+Here: what is checked before anything loads (the model folder, its generation settings, the limits, the listen
+address, the transformers release), and `start_server`, which starts `app.KHAServe` (transformers' `Serve`, built
+from kha serve's subclasses of transformers' pieces: see `app.py`) and waits until it answers.
 
 Dropped with 5.25: the swap of `GenerationState`, whose generation managers (5.24's `GenerateManager`,
 `CBGenerateManager`) now run in the model's process, which transformers 5.25 spawns; kha serve's limits moved to
@@ -32,12 +18,11 @@ import math
 import os
 import re
 import socket
-import threading
 import time
 import urllib.request
 import warnings
 from pathlib import Path
-from unittest import mock
+from typing import TYPE_CHECKING
 
 from ..checkpoint.loading import (
     TOKENIZER_FILES,
@@ -51,9 +36,11 @@ from ..checkpoint.loading import (
 )
 from ..checkpoint.reader import NoConfig, open_checkpoint
 from ..common.errors import KHAError
-from .errors import RequestError
 from .fields import MIN_TEMPERATURE
-from .guard import RequestRegistry, ServeGuard, ServeLimits, model_aliases
+from .guard import ServeLimits, model_aliases
+
+if TYPE_CHECKING:
+    from .app import KHAServe
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # Continuous batching on a CPU. Without numbers, transformers sizes its paged KV cache from free *device* memory,
@@ -75,39 +62,6 @@ def cb_sizes(device: str, cb_num_blocks: int | None, cb_max_batch_tokens: int | 
         cb_num_blocks = CPU_CB_NUM_BLOCKS if cb_num_blocks is None else cb_num_blocks
         cb_max_batch_tokens = CPU_CB_MAX_BATCH_TOKENS if cb_max_batch_tokens is None else cb_max_batch_tokens
     return {"cb_num_blocks": cb_num_blocks, "cb_max_batch_tokens": cb_max_batch_tokens}
-
-
-def kha_model_manager_class(limits: ServeLimits, registry: RequestRegistry):
-    """transformers' ModelManager, whose model (the one it was started with) is followed through a
-    `generation.KHAEngineClient`: kha serve's limits apply to every request."""
-    from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import canonical_model_id
-
-    from .generation import KHAEngineClient
-
-    class KHAModelManager(ModelManager):
-        def preload_engine(self, force_model: str, engine_connection: tuple | None) -> None:
-            # As transformers 5.25's ModelManager.preload_engine, with kha serve's client of the model's process
-            model_id = canonical_model_id(force_model)
-            engine = KHAEngineClient(
-                model_id,
-                self.loader,
-                self.generation_state,
-                connection=engine_connection,
-                registry=registry,
-                limits=limits,
-            )
-            self.engines[model_id] = engine
-            if engine_connection is None:
-                engine.start()
-
-        def get_engine(self, model: str | None):
-            engine = super().get_engine(model)
-            if not isinstance(engine, KHAEngineClient):  # kha serve serves the model it preloaded, and no other
-                raise RequestError(404, f"model {model!r} is not served here", "model", "model_not_found")
-            return engine
-
-    return KHAModelManager
 
 
 def check_listen_address(host: str, port: int) -> None:
@@ -289,54 +243,6 @@ def check_serve_inputs(
     return str(path.resolve())
 
 
-class RunningServer:
-    """A `kha serve` server running in this process: transformers' `Serve` (`serve`), its uvicorn server (`server`)
-    on a thread of its own (`thread`), the model in a process of its own (`model_manager`), the requests in flight
-    (`kha_registry`: tests and monitoring read it). `kill_server()` stops it all."""
-
-    def __init__(
-        self, serve, server, thread: threading.Thread, model_manager, registry: RequestRegistry, close_renders=None
-    ) -> None:
-        self.serve, self.server, self.thread = serve, server, thread
-        self.model_manager, self.kha_registry = model_manager, registry
-        self.close_renders = close_renders or (lambda: None)  # the render workers (`render_pool`)
-
-    def is_alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def kill_server(self, timeout: float = 10) -> None:
-        """Stop serving (requests in flight end first, for TIMEOUT seconds at most) and the model's process."""
-        self.server.should_exit = True
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            self.server.force_exit = True
-            self.thread.join(timeout)
-        self.model_manager.shutdown()  # the app's shutdown did it already, unless it never ran
-        self.close_renders()
-
-
-def background_server_class(built: dict):
-    """uvicorn.Server, whose `run` serves on a thread of its own (kept in BUILT, as is the server) and returns."""
-    import uvicorn
-
-    class BackgroundServer(uvicorn.Server):
-        def run(self, sockets=None) -> None:
-            thread = threading.Thread(target=super().run, kwargs={"sockets": sockets}, name="kha-serve", daemon=True)
-            built.update(server=self, thread=thread)
-            thread.start()
-
-    return BackgroundServer
-
-
-def openai_error(status: int, message, kind: str | None = None):
-    """A JSON response in OpenAI's error format."""
-    from fastapi.responses import Response
-
-    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
-    error = RequestError(status, str(message)[:1000], kind=kind)
-    return Response(error.body(), status_code=status, media_type="application/json")
-
-
 def start_server(
     model: str,
     host: str = "127.0.0.1",
@@ -349,10 +255,10 @@ def start_server(
     limits: ServeLimits | None = None,
     cb_num_blocks: int | None = None,
     cb_max_batch_tokens: int | None = None,
-) -> RunningServer:
+) -> KHAServe:
     """Load MODEL and start transformers' server on HOST:PORT in a background thread (the model in a process of its
-    own); returns a `RunningServer` (its `kill_server()` stops it). Blocks until /health answers. Only MODEL is ever
-    served (see `guard.py`).
+    own); returns the running `app.KHAServe` (its `kill_server()` stops it). Blocks until /health answers. Only MODEL
+    is ever served (see `guard.py`).
 
     CB_NUM_BLOCKS (blocks of 256 tokens) and CB_MAX_BATCH_TOKENS size continuous batching's paged KV cache and its
     batches (defaults: see `cb_sizes`).
@@ -364,17 +270,7 @@ def start_server(
     if not is_serve_available():
         raise KHAError("serving needs transformers' serving extras: pip install 'kha-hf[serve]'")
     check_serving_transformers()
-    import uvicorn
-    from fastapi.responses import Response
-    from starlette.exceptions import HTTPException
-    from transformers.cli import serve as serve_module
-    from transformers.cli.serving import chat_completion, completion, model_manager, response
-    from transformers.cli.serving import server as server_module
-    from transformers.cli.serving.utils import EngineDeadError
-
-    from .connections import kha_uvicorn_config_class
-    from .engine import KHAModelLoader
-    from .handlers import kha_handler_classes
+    from .app import KHAServe
 
     limits = limits or ServeLimits()
     cache_sizes = {"cb_num_blocks": cb_num_blocks, "cb_max_batch_tokens": cb_max_batch_tokens}
@@ -383,81 +279,26 @@ def start_server(
     folder = Path(model)
     if folder.is_dir() and is_multimodal_checkpoint(folder) and has_processor_files(folder):
         limits = dataclasses.replace(limits, images=True)  # chat messages may carry images for its processor
-    registry = RequestRegistry()
-    built: dict = {}  # what transformers builds, for the RunningServer
-    build_server = server_module.build_server
-
-    def guarded_build_server(manager, *args, **kwargs):
-        app = build_server(manager, *args, **kwargs)
-        built["model_manager"] = manager
-
-        async def request_error(_request, err: RequestError):  # a refusal of kha serve's own
-            return Response(err.body(), status_code=err.status, media_type="application/json")
-
-        async def bad_request(_request, err: ValueError):  # transformers: the request's fault ({"detail"} in 5.25)
-            return openai_error(400, err)
-
-        async def engine_dead(_request, err: EngineDeadError):  # transformers: 503 {"error": ...} in 5.25
-            return openai_error(503, f"the model's process died: {err}", "server_error")
-
-        async def http_error(_request, err: HTTPException):  # FastAPI answers {"detail": ...}
-            return openai_error(err.status_code, err.detail)
-
-        async def server_error(_request, _err: Exception):  # an unexpected failure: JSON too, the traceback is logged
-            return openai_error(500, "the model failed on this request (see the server log)", "server_error")
-
-        app.add_exception_handler(RequestError, request_error)
-        app.add_exception_handler(ValueError, bad_request)
-        app.add_exception_handler(EngineDeadError, engine_dead)
-        app.add_exception_handler(HTTPException, http_error)
-        app.add_exception_handler(Exception, server_error)
-        app.add_middleware(
-            ServeGuard,
-            served=served,
+    try:
+        running = KHAServe(
+            served,
             aliases=model_aliases(str(model), served),
             limits=limits,
-            registry=registry,
+            continuous_batching=continuous_batching,
+            **(cb_sizes(device, **cache_sizes) if continuous_batching else {}),
+            device=device,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
             host=host,
             port=port,
         )
-        return app
-
-    handlers = kha_handler_classes(limits, registry)
-    try:
-        with (
-            mock.patch.object(model_manager, "ModelLoader", KHAModelLoader),
-            mock.patch.object(model_manager, "ModelManager", kha_model_manager_class(limits, registry)),
-            mock.patch.object(chat_completion, "ChatCompletionHandler", handlers["ChatCompletionHandler"]),
-            mock.patch.object(completion, "CompletionHandler", handlers["CompletionHandler"]),
-            mock.patch.object(response, "ResponseHandler", handlers["ResponseHandler"]),
-            mock.patch.object(server_module, "build_server", guarded_build_server),
-            mock.patch.object(uvicorn, "Config", kha_uvicorn_config_class(limits.read_timeout, limits.max_connections)),
-            mock.patch.object(uvicorn, "Server", background_server_class(built)),
-        ):
-            serve = serve_module.Serve(
-                force_model=served,
-                continuous_batching=continuous_batching,
-                **(cb_sizes(device, **cache_sizes) if continuous_batching else {}),
-                device=device,
-                dtype=dtype,
-                trust_remote_code=trust_remote_code,
-                host=host,
-                port=port,
-            )
     except RuntimeError as err:  # the model's process failed to load the model (its log says why)
-        if "model_manager" in built:
-            built["model_manager"].shutdown()
         raise KHAError(f"the server did not start: {describe_error(err)}") from err
     except OSError as err:  # its config could not be read: a Hub id that does not exist, no network (one line)
-        if "model_manager" in built:
-            built["model_manager"].shutdown()
         raise KHAError(f"cannot load {model}: {describe_error(err)}") from err
-    running = RunningServer(
-        serve, built["server"], built["thread"], built["model_manager"], registry, handlers["close_renders"]
-    )
     try:
         wait_until_ready(host, port, ready_timeout)
-        handlers["start_renders"](running.model_manager.get_engine(None).processor)
+        running.renders.start()
     except BaseException:
         running.kill_server()
         raise
