@@ -26,33 +26,32 @@ from ..checkpoint.paths import check_run_destination, is_training_run
 from ..common.errors import KHAError
 from ..data.corpus import TOKENIZER_DIR
 from ..modeling.modeling_kha import KHAForCausalLM
-from .ab_cache import SETTINGS_FILE, data_fingerprint, interrupted_run, keep
-from .ab_cache import cached as cached_run
-from .ab_presets import AB_PRESETS, ABPreset
-from .ab_report import ArmRun
-from .ab_table import write_report
-from .ab_variants import Variant, parse_variants
-from .corpus_data import check_raw_data_fits, corpus_splits, prepared_corpus
-from .data import read_documents, train_heldout_split
-from .spikes import SPIKE_MARGIN, check_spike_margin
-from .tokenizer import train_bpe_tokenizer
-from .train import check_training_numbers, paper_training_arguments
-from .trainer import KHATrainer
+from ..training.corpus_data import check_raw_data_fits, corpus_splits, prepared_corpus
+from ..training.data import read_documents, train_heldout_split
+from ..training.presets import PRESETS, Preset
+from ..training.spikes import SPIKE_MARGIN, check_spike_margin
+from ..training.tokenizer import train_bpe_tokenizer
+from ..training.train import check_training_numbers
+from .arm import ArmRun, train_arm
+from .cache import SETTINGS_FILE, data_fingerprint, interrupted_run, keep
+from .cache import cached as cached_run
+from .scratch_report import write_report
+from .variants import Variant, parse_variants
 
 MODELS_DIR = "models"  # --save-models: every trained model, ARM-seedN
 RANDOM_INIT_SEED = 1_000_003  # added to a seed for random knocks: their draw never shifts the shared weights'
 
 
-def _base_config(base: str, preset: ABPreset) -> PreTrainedConfig:
-    if base in AB_PRESETS:
-        return AB_PRESETS[base].config()
+def _base_config(base: str, preset: Preset) -> PreTrainedConfig:
+    if base in PRESETS:
+        return PRESETS[base].config()
     path = Path(base)
     if path.exists():
         try:
             return AutoConfig.from_pretrained(path, trust_remote_code=False)
         except (OSError, ValueError) as err:
             raise KHAError(f"cannot read a model config from {path}: {err}") from err
-    raise KHAError(f"{base!r} is neither an A/B preset ({', '.join(AB_PRESETS)}) nor a config file or folder")
+    raise KHAError(f"{base!r} is neither an A/B preset ({', '.join(PRESETS)}) nor a config file or folder")
 
 
 def ab(
@@ -78,7 +77,7 @@ def ab(
     """Run the A/B for SEEDS seeds (SEED, SEED+1, ...) and return the summary (also OUTPUT/summary.json).
 
     Each seed draws new initial weights and a new data order; the baseline and its KHA twins share both. With
-    VARIANTS ('mlp_v,linear_v,gate_v,mlp_v_random', `ab_variants`) every variant is a twin; else KNOCK is the one
+    VARIANTS ('mlp_v,linear_v,gate_v,mlp_v_random', `variants.py`) every variant is a twin; else KNOCK is the one
     twin. LOGIT_EVERY: steps between attention-logit measurements (default: 50 per run). SPIKE_MARGIN: see
     `stability.spike_steps`. SAVE_MODELS: keep every trained model (OUTPUT/models/ARM-seedN, with the tokenizer), for
     `kha eval`. OUTPUT appears when the run is complete; an existing one is replaced only with `overwrite`.
@@ -91,7 +90,7 @@ def ab(
         twins = parse_variants(variants) if variants is not None else [Variant("kha", knock, "identity")]
     except ValueError as err:
         raise KHAError(str(err)) from err
-    preset = AB_PRESETS.get(base, AB_PRESETS["cpu-tiny"])
+    preset = PRESETS.get(base, PRESETS["cpu-tiny"])
     config = _base_config(base, preset)
     steps, seq, batch = max_steps or preset.max_steps, seq_len or preset.seq_len, batch_size or preset.batch_size
     check_training_numbers(logit_every=logit_every)
@@ -217,31 +216,13 @@ def _twin(baseline, twin: Variant, run_seed: int):
 def _train_one(model, name: str, run_seed: int, arm: ArmSettings) -> ArmRun:
     if name == "baseline":
         model = copy.deepcopy(model)  # the untrained baseline stays the twins' starting point
-    args = paper_training_arguments(
-        arm.output / name,
-        max_steps=arm.steps,
-        per_device_train_batch_size=arm.batch,
-        per_device_eval_batch_size=arm.batch,
-        learning_rate=arm.lr,
-        logging_steps=arm.logging_steps or max(1, arm.steps // 50),
-        save_strategy="no",
-        seed=run_seed,
-        data_seed=run_seed,
-        bf16=arm.bf16,
-        disable_tqdm=arm.disable_tqdm,
-    )
-    trainer = KHATrainer(
-        model=model,
-        args=args,
-        train_dataset=arm.train_set,
-        eval_dataset=arm.heldout_set,
-        stability_every=arm.logit_every,
-    )
-    trainer.train()
-    heldout = trainer.evaluate()["eval_loss"]
-    curve = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    run = train_arm(
+        model, name, run_seed, arm.output / name, arm.train_set, arm.heldout_set, arm.steps, arm.batch, arm.lr,
+        measure_before=False, disable_tqdm=arm.disable_tqdm, logging_steps=arm.logging_steps or max(1, arm.steps // 50),
+        bf16=arm.bf16, stability_every=arm.logit_every,
+    )  # fmt: skip
     if arm.save is not None:  # before the run is cached: a cached run's model is there too
         folder, tokenizer = arm.save[0] / f"{name}-seed{run_seed}", arm.save[1]
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-    return ArmRun(name, run_seed, curve, curve[-1][1], heldout, stability=trainer.stability.rows)
+    return run
