@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -125,23 +124,19 @@ def ab(
     adopt = interrupted_run(final, settings)
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq} tokens")
 
-    def has_finished_runs(tmp: Path) -> bool:
-        return is_training_run(tmp)
-
+    kept_hint = "the same kha ab command again reuses its finished runs"
     with atomic_output_dir(
-        final,
-        overwrite=overwrite,
-        marker="ab",
-        keep_on_failure=has_finished_runs,
-        adopt=adopt,
-        kept_hint="the same kha ab command again reuses its finished runs",
+        final, overwrite=overwrite, marker="ab", keep_on_failure=is_training_run, adopt=adopt, kept_hint=kept_hint
     ) as output:
         (output / SETTINGS_FILE).write_text(json.dumps(settings, sort_keys=True, default=str) + "\n")
-        shared = ArmSettings(
-            output, train_set, heldout_set, steps, batch, lr, bf16, logging_steps, disable_tqdm, every,
-            (output / MODELS_DIR, tokenizer) if save_models else None,
+        # what every run shares: `arm.train_arm`'s arguments
+        train = dict(
+            train_set=train_set, heldout_set=heldout_set, steps=steps, batch_size=batch, lr=lr, measure_before=False,
+            disable_tqdm=disable_tqdm, logging_steps=logging_steps or max(1, steps // 50), bf16=bf16,
+            stability_every=every,
         )  # fmt: skip
-        runs = _train_arms(config, twins, seed, seeds, shared)
+        save = (output / MODELS_DIR, tokenizer) if save_models else None  # with --save-models
+        runs = _train_arms(config, twins, seed, seeds, output, train, save)
         label = knock if variants is None else ",".join(t.name for t in twins)
         return write_report(
             runs, output, label, config, steps, final, twins if variants is not None else None, spike_margin
@@ -159,24 +154,7 @@ def _check_twins_fit(config, twins: list[Variant]) -> None:
             raise KHAError(f"variant {twin.name}: {err}") from err
 
 
-@dataclass(frozen=True)
-class ArmSettings:
-    """What every run of one A/B shares: where it works, its data and its training settings."""
-
-    output: Path
-    train_set: object
-    heldout_set: object
-    steps: int
-    batch: int
-    lr: float
-    bf16: bool
-    logging_steps: int | None
-    disable_tqdm: bool
-    logit_every: int
-    save: tuple | None  # (models folder, tokenizer) with --save-models
-
-
-def _train_arms(config, twins: list[Variant], seed: int, seeds: int, arm: ArmSettings) -> list[ArmRun]:
+def _train_arms(config, twins: list[Variant], seed: int, seeds: int, output: Path, train: dict, save) -> list[ArmRun]:
     runs: list[ArmRun] = []
     for run_seed in range(seed, seed + seeds):
         torch.manual_seed(run_seed)
@@ -188,15 +166,15 @@ def _train_arms(config, twins: list[Variant], seed: int, seeds: int, arm: ArmSet
                 + ", ".join(t.name if t.name != "kha" else t.knock for t in twins)
             )
         for name, twin in (("baseline", None), *((t.name, t) for t in twins)):
-            cached = cached_run(arm.output, name, run_seed)
+            cached = cached_run(output, name, run_seed)
             if cached is not None:
                 print(f"seed {run_seed}: {name} taken from the run cache")
                 runs.append(cached)
                 continue
             model = baseline if twin is None else _twin(baseline, twin, run_seed)
-            print(f"seed {run_seed}: training {name} ({arm.steps} steps)")
-            run = _train_one(model, name, run_seed, arm)
-            keep(arm.output, run)
+            print(f"seed {run_seed}: training {name} ({train['steps']} steps)")
+            run = _train_one(model, name, run_seed, output, train, save)
+            keep(output, run)
             runs.append(run)
     return runs
 
@@ -213,16 +191,11 @@ def _twin(baseline, twin: Variant, run_seed: int):
         raise KHAError(f"variant {twin.name}: {err}") from err
 
 
-def _train_one(model, name: str, run_seed: int, arm: ArmSettings) -> ArmRun:
+def _train_one(model, name: str, run_seed: int, output: Path, train: dict, save) -> ArmRun:
     if name == "baseline":
         model = copy.deepcopy(model)  # the untrained baseline stays the twins' starting point
-    run = train_arm(
-        model, name, run_seed, arm.output / name, arm.train_set, arm.heldout_set, arm.steps, arm.batch, arm.lr,
-        measure_before=False, disable_tqdm=arm.disable_tqdm, logging_steps=arm.logging_steps or max(1, arm.steps // 50),
-        bf16=arm.bf16, stability_every=arm.logit_every,
-    )  # fmt: skip
-    if arm.save is not None:  # before the run is cached: a cached run's model is there too
-        folder, tokenizer = arm.save[0] / f"{name}-seed{run_seed}", arm.save[1]
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+    run = train_arm(model, name, run_seed, output / name, **train)
+    if save is not None:  # before the run is cached: a cached run's model is there too
+        model.save_pretrained(save[0] / f"{name}-seed{run_seed}")
+        save[1].save_pretrained(save[0] / f"{name}-seed{run_seed}")
     return run

@@ -42,14 +42,7 @@ def write_report(
     }
     if variants is None:
         comparison = compare_arms(runs, "kha", "baseline")
-        summary.update(
-            {
-                "delta_mean": comparison["delta_mean"],
-                "ci95": comparison["ci95"],
-                "excludes_zero": comparison["excludes_zero"],
-                "per_seed": comparison["per_seed"],
-            }
-        )
+        summary.update({key: comparison[key] for key in ("delta_mean", "ci95", "excludes_zero", "per_seed")})
     else:
         summary["paper_setting"] = PAPER_SETTING
         summary["variants"] = {

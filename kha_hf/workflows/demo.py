@@ -84,17 +84,9 @@ def _demo(base: str, output: Path, final: Path, knock: str, train_steps: int, li
     # On the converted model with its knocks frozen at the identity, which computes exactly the base model.
     lora = with_lora(KHAForCausalLM.from_pretrained(converted), targets, rank)
     lora_run = train_arm(
-        lora,
-        "lora",
-        SEED,
-        output / "runs" / "lora",
-        train_set,
-        heldout_set,
-        train_steps,
-        BATCH_SIZE,
-        LR,
+        lora, "lora", SEED, output / "runs" / "lora", train_set, heldout_set, train_steps, BATCH_SIZE, LR,
         measure_before=False,
-    )
+    )  # fmt: skip
 
     print(f"\n[4/5] evaluate base, KHA knocks and the LoRA control on {', '.join(tasks)} ({limit} documents each)")
     task_manager = new_task_manager()  # indexes lm-eval's tasks once for every model
