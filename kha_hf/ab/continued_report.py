@@ -111,23 +111,11 @@ def evaluate_arms(models: dict, tokenizer, limit: int, output: Path) -> list[dic
     from ..eval.suites import SUITES
 
     task_manager = new_task_manager()  # indexes lm-eval's tasks once for every model
-    results = {
-        arm: evaluate_loaded(
-            arm,
-            arm,
-            (model.merge_and_unload() if arm in MERGEABLE else model).eval(),
-            tokenizer,
-            SUITES["quick"],
-            True,
-            limit,
-            None,
-            8,
-            "cpu",
-            1234,
-            task_manager,
-        )
-        for arm, model in models.items()
-    }
+    settings = dict(tasks=SUITES["quick"], local=True, limit=limit, num_fewshot=None, batch_size=8, device="cpu")
+    results = {}
+    for arm, model in models.items():
+        model = (model.merge_and_unload() if arm in MERGEABLE else model).eval()
+        results[arm] = evaluate_loaded(arm, arm, model, tokenizer, **settings, seed=1234, task_manager=task_manager)
     tables, rows = [], []
     for arm, control in comparisons(list(models)):
         pair_rows = comparison_rows(results[control], results[arm])

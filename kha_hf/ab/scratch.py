@@ -27,7 +27,7 @@ from ..data.corpus import TOKENIZER_DIR
 from ..modeling.modeling_kha import KHAForCausalLM
 from ..training.corpus_data import check_raw_data_fits, corpus_splits, prepared_corpus
 from ..training.data import read_documents, train_heldout_split
-from ..training.presets import PRESETS, Preset
+from ..training.presets import PRESETS
 from ..training.spikes import SPIKE_MARGIN, check_spike_margin
 from ..training.tokenizer import train_bpe_tokenizer
 from ..training.train import check_training_numbers
@@ -41,7 +41,7 @@ MODELS_DIR = "models"  # --save-models: every trained model, ARM-seedN
 RANDOM_INIT_SEED = 1_000_003  # added to a seed for random knocks: their draw never shifts the shared weights'
 
 
-def _base_config(base: str, preset: Preset) -> PreTrainedConfig:
+def _base_config(base: str) -> PreTrainedConfig:
     if base in PRESETS:
         return PRESETS[base].config()
     path = Path(base)
@@ -90,7 +90,7 @@ def ab(
     except ValueError as err:
         raise KHAError(str(err)) from err
     preset = PRESETS.get(base, PRESETS["cpu-tiny"])
-    config = _base_config(base, preset)
+    config = _base_config(base)
     steps, seq, batch = max_steps or preset.max_steps, seq_len or preset.seq_len, batch_size or preset.batch_size
     check_training_numbers(logit_every=logit_every)
     every = logit_every or max(1, steps // 50)
