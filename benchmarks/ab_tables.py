@@ -150,8 +150,8 @@ def cost_rows(seeds: int = 3, mfu: float = 0.4, peak: float = 989e12) -> list[st
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kha_hf.training.ab_presets import AB_PRESETS
-    from kha_hf.training.ab_variants import PAPER_ABLATION
+    from kha_hf.ab.variants import PAPER_ABLATION
+    from kha_hf.training.presets import PRESETS
 
     arms = 1 + len(PAPER_ABLATION.split(","))
     rows = [
@@ -159,8 +159,8 @@ def cost_rows(seeds: int = 3, mfu: float = 0.4, peak: float = 989e12) -> list[st
         f"{seeds} seeds) |",
         "|---|---|---|---|---|",
     ]
-    runs = [(name, preset, preset.max_steps) for name, preset in AB_PRESETS.items() if not name.startswith("cpu")]
-    moe = AB_PRESETS["paper-moe"]
+    runs = [(name, preset, preset.max_steps) for name, preset in PRESETS.items() if not name.startswith("cpu")]
+    moe = PRESETS["paper-moe"]
     for paper_tokens in (75e9, 1e12):  # the paper's ablation runs, and its main run
         runs.append(("paper-moe", moe, round(paper_tokens / (moe.batch_size * moe.seq_len))))
     for name, preset, steps in runs:

@@ -40,12 +40,12 @@ def worker(arm: str, preset_name: str, corpus: str, steps: int, batch: int, seq:
 
     from kha_hf import KHAForCausalLM
     from kha_hf.data.corpus import open_corpus
-    from kha_hf.training.ab_presets import AB_PRESETS
+    from kha_hf.training.presets import PRESETS
     from kha_hf.training.train import paper_training_arguments
     from kha_hf.training.trainer import KHATrainer
 
     prepared = open_corpus(corpus)
-    config = AB_PRESETS[preset_name].config()
+    config = PRESETS[preset_name].config()
     config.vocab_size = prepared.manifest["tokenizer"]["size"]
     args = paper_training_arguments(
         out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=1e-3, logging_steps=steps,

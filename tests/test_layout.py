@@ -4,7 +4,8 @@ modeling/ imports no other part (it travels with checkpoints); common/ imports o
 training/ and serving/ import modeling/, common/ and themselves (training/ also data/, the prepared corpora, which
 imports only common/), never each other; peft/ also reads KHA checkpoints
 (conversion/), eval/ also evaluates knock adapters (peft/); vllm_plugin/ imports only modeling/ (vLLM's processes run
-it: nothing of kha_hf's tools there); workflows/ and cli/ sit on top, and nothing but the entry point imports cli/.
+it: nothing of kha_hf's tools there); ab/ (kha ab) sits on the tool parts, workflows/ (kha demo) and cli/ on top of
+it, and nothing but the entry point imports cli/.
 Within and across parts, no module imports itself back through others (`test_no_import_cycles`).
 """
 
@@ -50,11 +51,14 @@ ALLOWED = {
     "vllm_plugin": {"vllm_plugin", "modeling"},
     # plugins for other trainers (Axolotl): the model, the knock adapter and the training rules, as a user's code would
     "integrations": {"integrations", "checkpoint", "common", "modeling", "conversion", "peft", "training"},
-    # the multi-step runs (train several arms, evaluate them): every tool part, never the CLI or the server
-    "workflows": {"workflows", "checkpoint", "common", "modeling", "conversion", "data", "eval", "peft", "training"},
+    # kha ab: a baseline and its twin trained alike, from scratch or continued from a checkpoint, compared over seeds
+    "ab": {"ab", "checkpoint", "common", "modeling", "conversion", "data", "eval", "peft", "training"},
+    # kha demo, the whole product run end to end: every tool part (an arm trained as kha ab trains it), never the CLI
+    "workflows": {"workflows", "ab", "checkpoint", "common", "modeling", "conversion", "eval", "training"},
     "cli": {
         "kha_hf",
         "cli",
+        "ab",
         "checkpoint",
         "common",
         "modeling",

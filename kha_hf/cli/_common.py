@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..common.seeds import MAX_SEED
+
 MAX_LAYER_INDEX = 9_999  # far more decoder layers than any model has; the model's own count is checked later
 
 
@@ -49,20 +51,18 @@ def positive_int(text: str) -> int:
     return _number(text, int, 0, False, "an integer")
 
 
-def bounded_int(maximum: int, what: str = ""):
-    """argparse type factory: an integer from 1 to MAXIMUM (sizes that allocate memory: capped before any does)."""
+def bounded_int(maximum: int, what: str = "", zero: bool = False):
+    """argparse type factory: an integer from 1 (0 with ZERO) to MAXIMUM (sizes that allocate memory: capped before
+    any does)."""
 
     def parse(text: str) -> int:
-        value = _number(text, int, 0, False, "an integer")
+        value = _number(text, int, 0, zero, "an integer")
         if value > maximum:
             raise argparse.ArgumentTypeError(f"must be at most {maximum:,}{what}, got {text}")
         return value
 
     parse.__name__ = "bounded_int"  # argparse names the type in some messages
     return parse
-
-
-MAX_SEED = 2**32 - 1  # numpy's seeds (which Trainer and lm-eval set) must lie in 0 .. 2**32 - 1
 
 
 def seed_int(text: str) -> int:

@@ -1,9 +1,20 @@
-"""`kha ab [PRESET]`: from-scratch baseline vs KHA twin (kha_hf.training.ab)."""
+"""`kha ab [PRESET]`: a baseline against its KHA twin, from scratch or with --from MODEL (kha_hf.ab)."""
 
 from __future__ import annotations
 
+from ..ab.options import (
+    ADAPTER_ARMS,
+    ARMS,
+    DEFAULT_ARMS,
+    EVAL_LIMIT,
+    GRID_EXTENSIONS,
+    LR_GRID_FULL,
+    LR_GRID_SMALL,
+    arm_list,
+    variant_list,
+)
+from ..ab.variants import PAPER_ABLATION
 from ..modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
-from ..training.ab_variants import PAPER_ABLATION
 from ..training.spikes import SPIKE_MARGIN
 from ._common import (
     MAX_BATCH,
@@ -18,61 +29,9 @@ from ._common import (
     seed_int,
 )
 
-LR_GRID_FULL = (2e-5, 5e-5, 1.5e-4)  # = kha_hf.workflows.continued_ab's (not imported: `kha ab --help` stays light)
-LR_GRID_SMALL = (1e-3, 3e-3, 1e-2)
-ARMS = ("base-full", "kha-full", "kha-knocks", "lora-matched", "knock-adapter", "ia3", "oft")  # = the workflow's
-DEFAULT_ARMS = ARMS[:4]
-ADAPTER_ARMS = ("knock-adapter", "lora-matched", "ia3", "oft")
-GRID_EXTENSIONS = 2  # = the workflow's
-EVAL_LIMIT = 100
-
-
-def extension_count(text) -> int:
-    """argparse type: an integer from 0 to 10 (--grid-extensions)."""
-    import argparse
-
-    from ._common import _number
-
-    value = _number(text, int, 0, True, "an integer")
-    if value > 10:
-        raise argparse.ArgumentTypeError(f"must be at most 10, got {text}")
-    return value
-
-
-def arm_list(text) -> list[str]:
-    """argparse type: comma-separated arm names, or 'adapters' (ADAPTER_ARMS)."""
-    import argparse
-
-    if isinstance(text, (list, tuple)):
-        return list(text)
-    names = [part.strip() for part in str(text).split(",") if part.strip()]
-    if names == ["adapters"]:
-        return list(ADAPTER_ARMS)
-    if "adapters" in names:
-        raise argparse.ArgumentTypeError(f"{text!r}: 'adapters' stands alone (it means {','.join(ADAPTER_ARMS)})")
-    unknown = [name for name in names if name not in ARMS]
-    if not names or unknown or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give distinct arms from {', '.join(ARMS)}, or 'adapters'"
-            + (f" ({', '.join(unknown)} unknown)" if unknown else "")
-        )
-    return names
-
-
-def variant_list(text) -> list[str]:
-    """argparse type: comma-separated ablation variants (knock presets, each optionally `_random`)."""
-    import argparse
-
-    from ..training.ab_variants import parse_variants
-
-    try:
-        return [v.name for v in parse_variants(text)]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from err
-
 
 def add_parser(sub) -> None:
-    from ..training.ab_presets import AB_PRESETS
+    from ..training.presets import PRESETS
 
     p = sub.add_parser(
         "ab",
@@ -81,7 +40,7 @@ def add_parser(sub) -> None:
         "train with the same seed, data order, steps and the paper's optimiser. Writes loss_curves.csv, "
         "loss_curves.png and summary.json; prints per-seed held-out losses and the mean paired delta with a "
         "95 % t-interval over seeds. "
-        f"Presets: {', '.join(AB_PRESETS)} (cpu-tiny, 3 seeds: 13 minutes measured on 2 CPU cores, 5 about 21)."
+        f"Presets: {', '.join(PRESETS)} (cpu-tiny, 3 seeds: 13 minutes measured on 2 CPU cores, 5 about 21)."
         "\n\n"
         "With --from MODEL: continued training from a real checkpoint, four arms by default (base full / KHA full / "
         "KHA knocks / a LoRA control of the knocks' size); --arms adapters instead compares the knocks as a PEFT "
@@ -169,7 +128,7 @@ def add_parser(sub) -> None:
     )
     cont.add_argument(
         "--grid-extensions",
-        type=extension_count,
+        type=bounded_int(10, zero=True),
         default=GRID_EXTENSIONS,
         help="when an arm's best rate is the lowest or highest of its grid, try up to this many rates beyond that "
         "edge, one grid step at a time (0: the grid only)",
@@ -197,97 +156,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..common.errors import KHAError
-    from ._common import MAX_SEED
+    from ..ab.command import run as run_ab
 
-    if args.seed + args.seeds - 1 > MAX_SEED:
-        raise KHAError(f"--seed {args.seed} with --seeds {args.seeds} runs past the largest seed, {MAX_SEED}")
-    # options of one mode, given in the other: refused rather than silently ignored
-    continued_only = {
-        "--arms": args.arms != list(DEFAULT_ARMS),
-        "--lr-grid": args.lr_grid != list(LR_GRID_SMALL),
-        "--lr-grid-full": args.lr_grid_full != list(LR_GRID_FULL),
-        "--grid-extensions": args.grid_extensions != GRID_EXTENSIONS,
-        "--eval": args.eval,
-        "--limit": args.limit != EVAL_LIMIT,
-        "--tokenizer": args.tokenizer is not None,
-        "--trust-remote-code": args.trust_remote_code,
-        "--run-cache": args.run_cache is not None,
-    }
-    scratch_only = {  # options of the from-scratch A/B, refused with --from rather than ignored
-        "--variants": args.variants is not None,
-        "--logit-every": args.logit_every is not None,
-        "--spike-margin": args.spike_margin != SPIKE_MARGIN,
-        "--save-models": args.save_models,
-    }
-    if args.variants is not None and args.knock != DEFAULT_KNOCK:
-        raise KHAError("--variants names every twin: leave --knock out (or add its preset to --variants)")
-    if args.from_model:
-        given = [flag for flag, set_ in scratch_only.items() if set_]
-        if given:
-            raise KHAError(
-                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to from-scratch runs only, not --from"
-            )
-        if args.bf16:
-            raise KHAError("--bf16 is not used with --from (continued training runs in float32)")
-        return _run_continued(args)
-    given = [flag for flag, set_ in continued_only.items() if set_]
-    if given:
-        raise KHAError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --from MODEL")
-    from ..training.ab import ab
-
-    ab(
-        args.base or "cpu-tiny",
-        knock=args.knock,
-        output=args.output,
-        max_steps=args.max_steps,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        data=args.data,
-        seed=args.seed,
-        seeds=args.seeds,
-        bf16=args.bf16,
-        overwrite=args.overwrite,
-        variants=args.variants,
-        logit_every=args.logit_every,
-        spike_margin=args.spike_margin,
-        save_models=args.save_models,
-    )
-    return 0
-
-
-def _run_continued(args) -> int:
-    from ..common.errors import KHAError
-    from ..training.ab_presets import AB_PRESETS
-    from ..workflows.continued_ab import ContinuedAB, continued_ab
-
-    defaults = {"max_steps": 24, "seq_len": 128, "batch_size": 4}  # SmolLM2: 32 minutes measured on 2 CPU cores
-    if args.base is not None:  # a preset sets the run's size (the model is MODEL's)
-        if args.base not in AB_PRESETS:
-            raise KHAError(f"with --from, the positional argument is a preset ({', '.join(AB_PRESETS)}), not a config")
-        preset = AB_PRESETS[args.base]
-        defaults.update(max_steps=preset.max_steps, seq_len=preset.seq_len, batch_size=preset.batch_size)
-    if args.lr is not None:
-        raise KHAError("with --from, set the knocks' and the LoRA's learning rates with --lr-grid (one value: fixed)")
-    given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
-    settings = ContinuedAB(
-        args.from_model,
-        knock=args.knock,
-        arms=tuple(args.arms),
-        grid_extensions=args.grid_extensions,
-        lr_grid_full=tuple(args.lr_grid_full),
-        lr_grid_small=tuple(args.lr_grid),
-        data=args.data,
-        seed=args.seed,
-        seeds=args.seeds,
-        run_eval=args.eval,
-        limit=args.limit,
-        tokenizer=args.tokenizer,
-        trust_remote_code=args.trust_remote_code,
-        run_cache=args.run_cache,
-        **{**defaults, **given},
-    )
-    output = args.output if args.output != "kha-ab" else "kha-ab-continued"
-    continued_ab(settings, output=output, overwrite=args.overwrite)
+    run_ab(args)
     return 0

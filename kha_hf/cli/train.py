@@ -17,8 +17,8 @@ from ._common import (
 
 def add_parser(sub) -> None:
     from ..modeling.configuration_kha import KNOCK_PRESETS
-    from ..training.ab_presets import AB_PRESETS
     from ..training.modes import MODES
+    from ..training.presets import PRESETS
 
     p = sub.add_parser(
         "train",
@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
         "model",
         metavar="MODEL",
         help="KHA checkpoint folder (or a base checkpoint: knocks at identity); or, to train new weights (--mode "
-        f"full), a config.json, a folder holding only a config, or a preset ({', '.join(AB_PRESETS)})",
+        f"full), a config.json, a folder holding only a config, or a preset ({', '.join(PRESETS)})",
     )
     p.add_argument(
         "--knock",

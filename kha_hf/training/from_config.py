@@ -13,7 +13,7 @@ from ..checkpoint.checks import check_config_numbers
 from ..checkpoint.reader import read_config
 from ..common.errors import KHAError
 from ..modeling.configuration_kha import KHAConfig
-from .ab_presets import AB_PRESETS
+from .presets import PRESETS
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 
@@ -21,7 +21,7 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 def is_config_ref(ref: str | Path) -> bool:
     """A preset name, a .json file, or a folder with a config.json and no weights. A name that is both a preset and
     a path here is refused: which one was meant cannot be told."""
-    if str(ref) in AB_PRESETS:
+    if str(ref) in PRESETS:
         if Path(ref).exists() or Path(ref).is_symlink():
             raise KHAError(f"{ref} is a preset and also a path here: write ./{ref} for the path, or run elsewhere")
         return True
@@ -39,8 +39,8 @@ def kha_config_from(ref: str | Path, knock: str | None, vocab_size: int) -> KHAC
     """The KHA config REF describes, its vocabulary set to VOCAB_SIZE (the tokenizer's)."""
     from transformers import AutoConfig
 
-    if str(ref) in AB_PRESETS:
-        base = AB_PRESETS[str(ref)].config()
+    if str(ref) in PRESETS:
+        base = PRESETS[str(ref)].config()
     else:
         path = Path(ref).expanduser()
         folder = path if path.is_dir() else path.parent

@@ -1,1 +1,1 @@
-"""End-to-end runs that use several parts at once: `kha demo` and the continued-training A/B (`kha ab --from`)."""
+"""`kha demo`: the whole product run end to end on one model (convert, train, evaluate, inspect)."""

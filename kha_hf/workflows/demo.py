@@ -46,6 +46,7 @@ def run_demo(
 
 def _demo(base: str, output: Path, final: Path, knock: str, train_steps: int, limit: int, start: float) -> dict:
     """The five steps, written into OUTPUT (the demo's temporary folder, moved to FINAL when done)."""
+    from ..ab.arm import train_arm
     from ..checkpoint.loading import load_tokenizer
     from ..conversion import convert
     from ..conversion.knock_stats import format_table, knock_statistics, plot_knocks
@@ -53,7 +54,6 @@ def _demo(base: str, output: Path, final: Path, knock: str, train_steps: int, li
     from ..eval.paired import comparison_rows
     from ..eval.suites import SUITES
     from ..modeling.modeling_kha import KHAForCausalLM
-    from ..training.arms import train_arm
     from ..training.data import read_documents, train_heldout_split
     from ..training.modes import lora_targets, matched_lora_rank, prepare_for_mode, with_lora
     from ..training.params import count_knock_parameters
@@ -84,17 +84,9 @@ def _demo(base: str, output: Path, final: Path, knock: str, train_steps: int, li
     # On the converted model with its knocks frozen at the identity, which computes exactly the base model.
     lora = with_lora(KHAForCausalLM.from_pretrained(converted), targets, rank)
     lora_run = train_arm(
-        lora,
-        "lora",
-        SEED,
-        output / "runs" / "lora",
-        train_set,
-        heldout_set,
-        train_steps,
-        BATCH_SIZE,
-        LR,
+        lora, "lora", SEED, output / "runs" / "lora", train_set, heldout_set, train_steps, BATCH_SIZE, LR,
         measure_before=False,
-    )
+    )  # fmt: skip
 
     print(f"\n[4/5] evaluate base, KHA knocks and the LoRA control on {', '.join(tasks)} ({limit} documents each)")
     task_manager = new_task_manager()  # indexes lm-eval's tasks once for every model

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-import kha_hf.training.ab as ab_module
-import kha_hf.training.ab_cache as ab_cache
+import kha_hf.ab.cache as ab_cache
+import kha_hf.ab.scratch as ab_module
 from kha_hf.cli import main
 from kha_hf.training.data import read_documents
 from tests.cli.test_bad_input import one_line_error
@@ -78,7 +78,7 @@ def test_an_interrupted_ablation_trains_only_what_is_missing(setup, tmp_path, ca
     # a run cut after two finished runs, in its own process (a kept folder whose process still runs is never taken)
     script = f"""
 import sys
-import kha_hf.training.ab as ab
+import kha_hf.ab.scratch as ab
 real, done = ab._train_one, []
 def cut_after_two(model, name, *args, **kwargs):
     if len(done) == 2:
@@ -144,9 +144,9 @@ def test_a_variant_the_base_cannot_take_is_refused_before_any_data_is_read(tmp_p
 def test_a_kept_run_reads_back_and_one_kha_did_not_write_is_refused(tmp_path):
     import math
 
+    from kha_hf.ab.arm import ArmRun
+    from kha_hf.ab.stability import run_stability
     from kha_hf.common.errors import KHAError
-    from kha_hf.training.ab_report import ArmRun
-    from kha_hf.training.ab_stability import run_stability
 
     nan = float("nan")
     rows = [{"step": s, "loss": 3.0, "grad_norm": 1.0} for s in range(1, 13)] + [{"step": 13, "loss": nan}]
@@ -185,9 +185,9 @@ def test_continued_training_refuses_the_gate_control(tmp_path, capsys):
 
 
 def test_the_loss_plot_marks_each_spike_at_its_step_and_loss(tmp_path, monkeypatch):
-    from kha_hf.training import ab_report
-    from kha_hf.training.ab_report import ArmRun
-    from kha_hf.training.ab_stability import stability_summary
+    from kha_hf.ab import report as ab_report
+    from kha_hf.ab.arm import ArmRun
+    from kha_hf.ab.stability import stability_summary
 
     losses = [3.0] * 30
     losses[20] = 4.0

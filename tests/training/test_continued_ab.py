@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from kha_hf.ab.continued import LR_GRID_FULL, LR_GRID_SMALL, ContinuedAB, continued_ab
 from kha_hf.cli import main
 from kha_hf.training.data import read_documents, train_validation_heldout_split
 from kha_hf.training.modes import lora_targets, matched_lora_rank
-from kha_hf.workflows.continued_ab import LR_GRID_FULL, LR_GRID_SMALL, ContinuedAB, continued_ab
 from tests.helpers import save_tiny_tokenizer, tiny_base_model, tiny_configs
 
 
@@ -27,8 +27,8 @@ def test_matched_rank_by_hand():
 
 
 def test_the_cli_grids_and_arms_are_the_workflows():
+    from kha_hf.ab import continued as workflow
     from kha_hf.cli import ab
-    from kha_hf.workflows import continued_ab as workflow
 
     assert ab.LR_GRID_FULL == LR_GRID_FULL and ab.LR_GRID_SMALL == LR_GRID_SMALL
     assert (ab.ARMS, ab.DEFAULT_ARMS, ab.ADAPTER_ARMS) == (workflow.ARMS, workflow.DEFAULT_ARMS, workflow.ADAPTER_ARMS)
@@ -134,7 +134,8 @@ def test_the_learning_rate_choice_ignores_the_heldout_split(tiny_base, tmp_path,
 
 def test_continued_ab_eval_adds_paired_downstream_statistics(tiny_base, tmp_path):
     """Every arm through lm-eval: the LoRA, IA3 and OFT merged, the MLP knock adapter as a PeftModel."""
-    from kha_hf.workflows.continued_ab import ARMS, COMPARISONS
+    from kha_hf.ab.continued import ARMS
+    from kha_hf.ab.continued_report import COMPARISONS
 
     settings = tiny_settings(tiny_base, max_steps=2, lr_grid_small=(1e-3,), run_eval=True, limit=2, arms=ARMS)
     summary = continued_ab(settings, output=tmp_path / "out")
@@ -289,7 +290,7 @@ def test_a_best_rate_on_the_grids_edge_is_followed_beyond_it(tiny_base, tmp_path
 
 
 def test_an_interior_best_rate_ends_the_tuning_at_the_grid():
-    from kha_hf.workflows.continued_ab import _at_edge, _beyond_the_edge
+    from kha_hf.ab.continued import _at_edge, _beyond_the_edge
 
     tried = [{"lr": lr, "validation_loss": 1.0} for lr in (1e-3, 3e-3, 1e-2)]
     assert _beyond_the_edge(tried, 3e-3) == [] and not _at_edge(tried, 3e-3)
@@ -367,7 +368,7 @@ def test_a_restarted_ab_reuses_the_runs_in_its_run_cache(tiny_base, tmp_path, ca
     """A stopped A/B started again with the same --run-cache continues where it stopped: every finished run is
     read back (no training), the summary's numbers are the first run's; other settings train again, and a broken
     cache file is ignored in one line, never trusted."""
-    from kha_hf.workflows import continued_ab as workflow
+    from kha_hf.ab import continued as workflow
 
     settings = dict(arms=("knock-adapter", "lora-matched"), seeds=2, run_cache=str(tmp_path / "cache"))
     first = continued_ab(tiny_settings(tiny_base, **settings), output=tmp_path / "first")
@@ -415,7 +416,7 @@ def test_the_run_cache_follows_the_weights_not_their_path(tiny_base, tmp_path, m
 
     from transformers import AutoModelForCausalLM
 
-    from kha_hf.workflows import continued_ab as workflow
+    from kha_hf.ab import continued as workflow
 
     settings = dict(arms=("knock-adapter",), run_cache=str(tmp_path / "cache"))
     continued_ab(tiny_settings(tiny_base, **settings), output=tmp_path / "first")
@@ -446,8 +447,8 @@ def test_the_run_cache_follows_the_weights_not_their_path(tiny_base, tmp_path, m
 
 
 def test_the_run_cache_never_writes_through_a_link_and_keys_the_code(tmp_path, monkeypatch):
-    from kha_hf.training.ab_report import ArmRun
-    from kha_hf.workflows import run_cache
+    from kha_hf.ab import cache as run_cache
+    from kha_hf.ab.arm import ArmRun
 
     victim = tmp_path / "victim.txt"
     victim.write_text("untouched")
@@ -475,7 +476,7 @@ def test_the_run_cache_never_writes_through_a_link_and_keys_the_code(tmp_path, m
     assert cache.get("knock-adapter", 0, 1e-3, (1, 1)).heldout_blocks == [2.0]
 
     package = tmp_path / "pkg"
-    for name in ("modeling/a.py", "serving/b.py", "workflows/continued_ab.py"):
+    for name in ("modeling/a.py", "serving/b.py", "ab/continued.py"):
         (package / name).parent.mkdir(parents=True, exist_ok=True)
         (package / name).write_text("x = 1\n")
     monkeypatch.setattr(run_cache, "PACKAGE", package)
@@ -487,8 +488,8 @@ def test_the_run_cache_never_writes_through_a_link_and_keys_the_code(tmp_path, m
 
 
 def test_the_run_cache_stays_out_of_a_gguf_files_folder(tmp_path):
+    from kha_hf.ab.cache import check_cache_dir
     from kha_hf.common.errors import KHAError
-    from kha_hf.workflows.run_cache import check_cache_dir
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(KHAError, match="inside the model file's folder"):

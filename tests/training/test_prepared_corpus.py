@@ -62,9 +62,9 @@ def test_from_a_preset_the_knocks_start_at_the_identity_and_the_model_saves(prep
 
 
 def test_from_a_config_file(prepared, tmp_path):
-    from kha_hf.training.ab_presets import AB_PRESETS
+    from kha_hf.training.presets import PRESETS
 
-    config = AB_PRESETS["cpu-tiny"].config().to_dict()
+    config = PRESETS["cpu-tiny"].config().to_dict()
     config.update(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16)
     config.pop("layer_types", None)  # the preset's lists 4 layers
     (tmp_path / "my.json").write_text(json.dumps(config))
@@ -184,9 +184,9 @@ def test_a_tokenizer_without_a_pad_token_trains(corpus, tmp_path):
 
 
 def test_too_large_a_config_and_a_preset_shadowed_by_a_folder_are_refused(prepared, tmp_path):
-    from kha_hf.training.ab_presets import AB_PRESETS
+    from kha_hf.training.presets import PRESETS
 
-    config = AB_PRESETS["cpu-tiny"].config().to_dict()
+    config = PRESETS["cpu-tiny"].config().to_dict()
     config.update(hidden_size=8192, intermediate_size=200_000, num_attention_heads=64, head_dim=128)
     (tmp_path / "big.json").write_text(json.dumps(config))
     proc = kha("train", tmp_path / "big.json", "--mode", "full", "--data", prepared, "--output", tmp_path / "r")

@@ -46,30 +46,17 @@ from ..checkpoint.output import atomic_output_dir
 from ..checkpoint.paths import check_run_destination
 from ..checkpoint.reader import check_not_task_head
 from ..common.errors import KHAError
-from ..common.statistics import seed_interval, two_level_bootstrap
 from ..modeling.configuration_kha import CONTROL_PRESETS, KNOCK_PRESETS, control_refusal
-from ..training.ab_report import ArmRun, plot_mean_curves, write_curves_csv, write_json
-from ..training.arms import train_arm
 from ..training.block_losses import block_losses
 from ..training.modes import lora_targets, matched_lora_rank
 from ..training.params import count_knock_parameters
-from .run_cache import RunCache, blocks_digest, check_cache_dir
+from .arm import ArmRun, train_arm
+from .cache import RunCache, blocks_digest, check_cache_dir
+from .continued_report import arm_table, compare, comparisons, evaluate_arms, print_report
+from .options import ADAPTER_ARMS, ARMS, DEFAULT_ARMS, EVAL_LIMIT, GRID_EXTENSIONS, LR_GRID_FULL, LR_GRID_SMALL
+from .report import plot_mean_curves, write_curves_csv, write_json
 
-ARMS = ("base-full", "kha-full", "kha-knocks", "lora-matched", "knock-adapter", "ia3", "oft")
-DEFAULT_ARMS = ARMS[:4]
-ADAPTER_ARMS = ("knock-adapter", "lora-matched", "ia3", "oft")
 KHA_ARMS = ("kha-full", "kha-knocks")  # start from the conversion; the others from the stock model
-MERGEABLE = ("lora-matched", "ia3", "oft")  # evaluated merged; the MLP knock adapter cannot merge (it runs as is)
-COMPARISONS = (
-    ("kha-full", "base-full"),
-    ("kha-knocks", "lora-matched"),
-    ("knock-adapter", "lora-matched"),
-    ("knock-adapter", "ia3"),
-    ("knock-adapter", "oft"),
-)
-LR_GRID_FULL = (2e-5, 5e-5, 1.5e-4)
-LR_GRID_SMALL = (1e-3, 3e-3, 1e-2)
-GRID_EXTENSIONS = 2
 
 
 @dataclass
@@ -90,7 +77,7 @@ class ContinuedAB:
     seeds: int = 5
     eval_blocks: int = 16
     run_eval: bool = False
-    limit: int = 100
+    limit: int = EVAL_LIMIT
     tokenizer: str | None = None
     trust_remote_code: bool = False
     run_cache: str | None = None  # a folder keeping each finished run's numbers, reused by a restarted A/B
@@ -287,19 +274,9 @@ def _train_and_measure(s: ContinuedAB, p: _Prepared, arm: str, run_seed: int, lr
     if trainable == 0:
         raise KHAError(f"the {arm} arm has no trainable parameters on this model: drop it from --arms")
     run = train_arm(
-        model,
-        arm,
-        run_seed,
-        output / "runs" / arm,
-        p.train,
-        p.validation,
-        s.max_steps,
-        s.batch_size,
-        lr,
-        measure_before=False,
-        disable_tqdm=True,
-        weight_decay=0.1 if arm.endswith("-full") else 0.0,
-    )
+        model, arm, run_seed, output / "runs" / arm, p.train, p.validation, s.max_steps, s.batch_size, lr,
+        measure_before=False, disable_tqdm=True, weight_decay=0.1 if arm.endswith("-full") else 0.0,
+    )  # fmt: skip
     run.trainable_parameters = trainable
     run.lr = lr
     run.validation_loss = run.heldout_loss  # train_arm evaluated on the validation split
@@ -381,22 +358,22 @@ def _run(s: ContinuedAB, output: Path, cache_dir: Path | None = None) -> dict:
         "grid_extensions": s.grid_extensions,
         "at_grid_edge": {arm: _at_edge(tuning[arm], lr) for arm, lr in best.items()},
         **s.extra,
-        "arms": _arm_table(runs, before, s.arms),
-        "comparisons": [_compare(runs, arm, control) for arm, control in _comparisons(s.arms)],
+        "arms": arm_table(runs, before, s.arms),
+        "comparisons": [compare(runs, arm, control) for arm, control in comparisons(s.arms)],
         **({"runs_reused_from_cache": p.cache.reused} if p.cache is not None and p.cache.reused else {}),
     }
     write_curves_csv(runs, output / "loss_curves.csv")
     plot_mean_curves(runs, output / "loss_curves.png", f"continued training from {Path(str(s.model)).name}")
-    _print_report(summary)
+    print_report(summary)
     if s.run_eval:
-        summary["eval"] = _evaluate_arms(
+        summary["eval"] = evaluate_arms(
             {r.arm: r.model for r in runs if r.model is not None}, p.tokenizer, s.limit, output
         )
     return summary
 
 
 def _run_cache(s: ContinuedAB, p: _Prepared, folder: Path, before: dict) -> RunCache:
-    """The --run-cache of this A/B: what decides a run's numbers besides its arm, seed and rate (run_cache.py)."""
+    """The --run-cache of this A/B: what decides a run's numbers besides its arm, seed and rate (cache.py)."""
     common = {
         "blocks": blocks_digest(p.train, p.validation, p.heldout, p.other),
         "knock": s.knock,
@@ -407,10 +384,6 @@ def _run_cache(s: ContinuedAB, p: _Prepared, folder: Path, before: dict) -> RunC
         for arm in s.arms
     }
     return RunCache(folder, common, per_arm, s.max_steps)
-
-
-def _mean(values) -> float:
-    return sum(values) / len(values)
 
 
 def _adapted_modules(model: nn.Module) -> list[str]:
@@ -440,125 +413,3 @@ def _beyond_the_edge(tried: list[dict], best: float) -> list[float]:
     if best == rates[-1]:
         return [rates[-1] * rates[-1] / rates[-2]]
     return [rates[0] * rates[0] / rates[1]]
-
-
-def _comparisons(arms) -> list[tuple[str, str]]:
-    return [(arm, control) for arm, control in COMPARISONS if arm in arms and control in arms]
-
-
-def _arm_table(runs: list[ArmRun], before: dict, chosen_arms) -> dict:
-    arms = {}
-    for arm in chosen_arms:
-        mine = [r for r in runs if r.arm == arm]
-        forgetting = [[a - b for a, b in zip(r.other_blocks, before[arm]["other"], strict=True)] for r in mine]
-        arms[arm] = {
-            "lr": mine[0].lr,
-            "trainable_parameters": mine[0].trainable_parameters,
-            "training_flops_estimate": mine[0].flops,
-            "wall_seconds": [r.wall_seconds for r in mine],
-            "heldout_before": _mean(before[arm]["heldout"]),
-            "heldout_after_mean": _mean([r.heldout_loss for r in mine]),
-            "other_domain_before": _mean(before[arm]["other"]),
-            "other_domain_after_mean": _mean([_mean(r.other_blocks) for r in mine]),
-            "forgetting": two_level_bootstrap(forgetting),  # other-domain loss after − before, per seed and block
-            "per_seed": [
-                {
-                    "seed": r.seed,
-                    "heldout": r.heldout_loss,
-                    "other_domain": _mean(r.other_blocks),
-                    "validation": r.validation_loss,
-                }
-                for r in mine
-            ],
-        }
-    return arms
-
-
-def _compare(runs: list[ArmRun], arm: str, control: str) -> dict:
-    """ARM − CONTROL on the held-out and the other-domain blocks, paired per seed and block."""
-    by = {(r.arm, r.seed): r for r in runs}
-    seeds = sorted(r.seed for r in runs if r.arm == arm and (control, r.seed) in by)
-    result = {"arm": arm, "control": control}
-    for split, attribute in (("heldout", "heldout_blocks"), ("other_domain", "other_blocks")):
-        deltas = [
-            [a - b for a, b in zip(getattr(by[(arm, s)], attribute), getattr(by[(control, s)], attribute), strict=True)]
-            for s in seeds
-        ]
-        result[split] = {
-            **two_level_bootstrap(deltas),
-            "over_seeds_only": seed_interval([_mean(d) for d in deltas]),
-            "per_seed": [{"seed": s, "delta": _mean(d)} for s, d in zip(seeds, deltas, strict=True)],
-        }
-    return result
-
-
-def _interval(entry: dict) -> str:
-    low_high = entry["ci95"]
-    if low_high is None:
-        return f"{entry['delta_mean']:+.4f} (no interval: one seed)"
-    verdict = "excludes 0" if entry["excludes_zero"] else "includes 0"
-    return f"{entry['delta_mean']:+.4f} [{low_high[0]:+.4f}, {low_high[1]:+.4f}] ({verdict})"
-
-
-def _print_report(summary: dict) -> None:
-    print(
-        f"\n{'arm':>12} {'lr':>8} {'trainable':>12} {'held-out before → after':>25} {'other domain before → after':>29}"
-    )
-    for arm, a in summary["arms"].items():
-        print(
-            f"{arm:>12} {a['lr']:>8g} {a['trainable_parameters']:>12,} "
-            f"{a['heldout_before']:>11.4f} → {a['heldout_after_mean']:<11.4f} "
-            f"{a['other_domain_before']:>13.4f} → {a['other_domain_after_mean']:.4f}"
-        )
-    for c in summary["comparisons"]:
-        print(
-            f"Δ ({c['arm']} − {c['control']}), held-out: {_interval(c['heldout'])}; "
-            f"other domain: {_interval(c['other_domain'])}"
-        )
-
-
-def _evaluate_arms(models: dict, tokenizer, limit: int, output: Path) -> list[dict]:
-    """The quick suite on the first seed's models; paired statistics for each comparison."""
-    from ..eval.compare import evaluate_loaded, new_task_manager
-    from ..eval.paired import (
-        PER_DOCUMENT_FILE,
-        comparison_rows,
-        markdown_table,
-        per_document_records,
-        write_per_document,
-    )
-    from ..eval.suites import SUITES
-
-    task_manager = new_task_manager()  # indexes lm-eval's tasks once for every model
-    results = {
-        arm: evaluate_loaded(
-            arm,
-            arm,
-            (model.merge_and_unload() if arm in MERGEABLE else model).eval(),
-            tokenizer,
-            SUITES["quick"],
-            True,
-            limit,
-            None,
-            8,
-            "cpu",
-            1234,
-            task_manager,
-        )
-        for arm, model in models.items()
-    }
-    tables, rows = [], []
-    for arm, control in _comparisons(list(models)):
-        pair_rows = comparison_rows(results[control], results[arm])
-        rows.append({"arm": arm, "control": control, "rows": pair_rows})
-        table = markdown_table(pair_rows, results[control], results[arm])
-        tables.append(f"### {arm} vs {control} (eval/{arm}-vs-{control})\n\n" + table)
-        # each comparison's folder is a `kha eval` folder: `kha eval --recompute` re-derives its statistics
-        folder = output / "eval" / f"{arm}-vs-{control}"
-        folder.mkdir(parents=True)
-        write_per_document(folder / PER_DOCUMENT_FILE, per_document_records(results[control], results[arm]))
-        write_json(folder / "summary.json", {"baseline": control, "candidate": arm, "rows": pair_rows})
-        (folder / "table.md").write_text(table + "\n")
-    (output / "eval.md").write_text("\n".join(tables))
-    print("\n".join(tables))
-    return rows

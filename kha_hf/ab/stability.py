@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 
 from ..common.statistics import seed_interval
-from .ab_report import ArmRun
-from .spikes import SPIKE_MARGIN, SPIKE_WINDOW, count_spikes, spike_steps
+from ..training.spikes import SPIKE_MARGIN, SPIKE_WINDOW, count_spikes, spike_steps
+from .arm import ArmRun
 
 
 def _largest(rows: list[dict], key: str) -> float | None:

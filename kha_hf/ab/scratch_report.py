@@ -1,23 +1,21 @@
 """The report of a from-scratch A/B (`kha ab`): summary.json, the CSVs and the plot, and the printed table: one twin
 against the baseline, or the paper's ablation layout (variant, Δ held-out loss [95 % CI over seeds], spikes, the
-paper's Δ)."""
+paper's Δ).
+
+Arms that share a seed share their initial weights (up to the knocks) and data order, so their difference is a
+paired sample; the spread of those differences over seeds gives the 95 % t-interval (`statistics.seed_interval`).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .ab_report import (
-    ArmRun,
-    arm_summary,
-    compare_arms,
-    plot_mean_curves,
-    print_comparison,
-    write_curves_csv,
-    write_json,
-)
-from .ab_stability import stability_summary, write_stability_csv
-from .ab_variants import PAPER_SETTING, Variant
-from .spikes import SPIKE_MARGIN
+from ..common.statistics import seed_interval
+from ..training.spikes import SPIKE_MARGIN
+from .arm import ArmRun
+from .report import plot_mean_curves, write_curves_csv, write_json
+from .stability import stability_summary, write_stability_csv
+from .variants import PAPER_SETTING, Variant
 
 
 def write_report(
@@ -44,14 +42,7 @@ def write_report(
     }
     if variants is None:
         comparison = compare_arms(runs, "kha", "baseline")
-        summary.update(
-            {
-                "delta_mean": comparison["delta_mean"],
-                "ci95": comparison["ci95"],
-                "excludes_zero": comparison["excludes_zero"],
-                "per_seed": comparison["per_seed"],
-            }
-        )
+        summary.update({key: comparison[key] for key in ("delta_mean", "ci95", "excludes_zero", "per_seed")})
     else:
         summary["paper_setting"] = PAPER_SETTING
         summary["variants"] = {
@@ -113,3 +104,55 @@ def ablation_table(summary: dict) -> str:
 
 def _signed(value: float | None) -> str:
     return "-" if value is None else f"{value:+.3f}"
+
+
+def compare_arms(runs: list[ArmRun], arm: str, control: str) -> dict:
+    """Held-out loss of ARM minus CONTROL, per seed, and their mean with a 95 % t-interval over seeds."""
+    by_seed = {(r.arm, r.seed): r for r in runs}
+    seeds = sorted(r.seed for r in runs if r.arm == arm and (control, r.seed) in by_seed)
+    per_seed = [
+        {
+            "seed": s,
+            f"{control}_heldout": by_seed[(control, s)].heldout_loss,
+            f"{arm}_heldout": by_seed[(arm, s)].heldout_loss,
+            "delta": by_seed[(arm, s)].heldout_loss - by_seed[(control, s)].heldout_loss,
+        }
+        for s in seeds
+    ]
+    return {"arm": arm, "control": control, **seed_interval([p["delta"] for p in per_seed]), "per_seed": per_seed}
+
+
+def arm_summary(runs: list[ArmRun]) -> dict:
+    arms: dict[str, dict] = {}
+    for run in runs:
+        entry = arms.setdefault(run.arm, {"per_seed": []})
+        entry["per_seed"].append(
+            {
+                "seed": run.seed,
+                "train_loss": run.train_loss,
+                "heldout_loss": run.heldout_loss,
+                "heldout_before": run.heldout_before,
+            }
+        )
+        if run.trainable_parameters is not None:
+            entry["trainable_parameters"] = run.trainable_parameters
+    for entry in arms.values():
+        losses = [p["heldout_loss"] for p in entry["per_seed"]]
+        entry["heldout_loss_mean"] = sum(losses) / len(losses)
+        before = [p["heldout_before"] for p in entry["per_seed"] if p["heldout_before"] is not None]
+        if before:
+            entry["heldout_before_mean"] = sum(before) / len(before)
+    return arms
+
+
+def print_comparison(comparison: dict) -> None:
+    interval = comparison["ci95"]
+    if interval is None:
+        shown = "no interval (" + ("one seed; use --seeds 3 or more)" if comparison["n_seeds"] < 2 else "no spread)")
+    else:
+        verdict = "excludes 0" if comparison["excludes_zero"] else "includes 0: no significant difference"
+        shown = f"95 % CI [{interval[0]:+.4f}, {interval[1]:+.4f}] ({verdict})"
+    print(
+        f"Δ held-out ({comparison['arm']} − {comparison['control']}) over {comparison['n_seeds']} seed(s): "
+        f"{comparison['delta_mean']:+.4f}, {shown}"
+    )

@@ -38,13 +38,6 @@ class Variant:
     def paper_delta(self) -> float | None:
         return PAPER_DELTAS.get(self.name)
 
-    @property
-    def paper_says(self) -> str:
-        """The paper's number, or what it says without one."""
-        if self.name in PAPER_DELTAS and self.paper_delta is None:
-            return "higher (no number)"
-        return "-" if self.paper_delta is None else f"{self.paper_delta:+.3f}"
-
 
 def parse_variants(text: str | list[str]) -> list[Variant]:
     """'mlp_v,linear_v,gate_v,mlp_v_random' -> Variants; ValueError in one line naming what is unknown."""

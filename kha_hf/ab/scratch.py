@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,33 +25,32 @@ from ..checkpoint.paths import check_run_destination, is_training_run
 from ..common.errors import KHAError
 from ..data.corpus import TOKENIZER_DIR
 from ..modeling.modeling_kha import KHAForCausalLM
-from .ab_cache import SETTINGS_FILE, data_fingerprint, interrupted_run, keep
-from .ab_cache import cached as cached_run
-from .ab_presets import AB_PRESETS, ABPreset
-from .ab_report import ArmRun
-from .ab_table import write_report
-from .ab_variants import Variant, parse_variants
-from .corpus_data import check_raw_data_fits, corpus_splits, prepared_corpus
-from .data import read_documents, train_heldout_split
-from .spikes import SPIKE_MARGIN, check_spike_margin
-from .tokenizer import train_bpe_tokenizer
-from .train import check_training_numbers, paper_training_arguments
-from .trainer import KHATrainer
+from ..training.corpus_data import check_raw_data_fits, corpus_splits, prepared_corpus
+from ..training.data import read_documents, train_heldout_split
+from ..training.presets import PRESETS
+from ..training.spikes import SPIKE_MARGIN, check_spike_margin
+from ..training.tokenizer import train_bpe_tokenizer
+from ..training.train import check_training_numbers
+from .arm import ArmRun, train_arm
+from .cache import SETTINGS_FILE, data_fingerprint, interrupted_run, keep
+from .cache import cached as cached_run
+from .scratch_report import write_report
+from .variants import Variant, parse_variants
 
 MODELS_DIR = "models"  # --save-models: every trained model, ARM-seedN
 RANDOM_INIT_SEED = 1_000_003  # added to a seed for random knocks: their draw never shifts the shared weights'
 
 
-def _base_config(base: str, preset: ABPreset) -> PreTrainedConfig:
-    if base in AB_PRESETS:
-        return AB_PRESETS[base].config()
+def _base_config(base: str) -> PreTrainedConfig:
+    if base in PRESETS:
+        return PRESETS[base].config()
     path = Path(base)
     if path.exists():
         try:
             return AutoConfig.from_pretrained(path, trust_remote_code=False)
         except (OSError, ValueError) as err:
             raise KHAError(f"cannot read a model config from {path}: {err}") from err
-    raise KHAError(f"{base!r} is neither an A/B preset ({', '.join(AB_PRESETS)}) nor a config file or folder")
+    raise KHAError(f"{base!r} is neither an A/B preset ({', '.join(PRESETS)}) nor a config file or folder")
 
 
 def ab(
@@ -78,7 +76,7 @@ def ab(
     """Run the A/B for SEEDS seeds (SEED, SEED+1, ...) and return the summary (also OUTPUT/summary.json).
 
     Each seed draws new initial weights and a new data order; the baseline and its KHA twins share both. With
-    VARIANTS ('mlp_v,linear_v,gate_v,mlp_v_random', `ab_variants`) every variant is a twin; else KNOCK is the one
+    VARIANTS ('mlp_v,linear_v,gate_v,mlp_v_random', `variants.py`) every variant is a twin; else KNOCK is the one
     twin. LOGIT_EVERY: steps between attention-logit measurements (default: 50 per run). SPIKE_MARGIN: see
     `stability.spike_steps`. SAVE_MODELS: keep every trained model (OUTPUT/models/ARM-seedN, with the tokenizer), for
     `kha eval`. OUTPUT appears when the run is complete; an existing one is replaced only with `overwrite`.
@@ -91,8 +89,8 @@ def ab(
         twins = parse_variants(variants) if variants is not None else [Variant("kha", knock, "identity")]
     except ValueError as err:
         raise KHAError(str(err)) from err
-    preset = AB_PRESETS.get(base, AB_PRESETS["cpu-tiny"])
-    config = _base_config(base, preset)
+    preset = PRESETS.get(base, PRESETS["cpu-tiny"])
+    config = _base_config(base)
     steps, seq, batch = max_steps or preset.max_steps, seq_len or preset.seq_len, batch_size or preset.batch_size
     check_training_numbers(logit_every=logit_every)
     every = logit_every or max(1, steps // 50)
@@ -126,23 +124,19 @@ def ab(
     adopt = interrupted_run(final, settings)
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq} tokens")
 
-    def has_finished_runs(tmp: Path) -> bool:
-        return is_training_run(tmp)
-
+    kept_hint = "the same kha ab command again reuses its finished runs"
     with atomic_output_dir(
-        final,
-        overwrite=overwrite,
-        marker="ab",
-        keep_on_failure=has_finished_runs,
-        adopt=adopt,
-        kept_hint="the same kha ab command again reuses its finished runs",
+        final, overwrite=overwrite, marker="ab", keep_on_failure=is_training_run, adopt=adopt, kept_hint=kept_hint
     ) as output:
         (output / SETTINGS_FILE).write_text(json.dumps(settings, sort_keys=True, default=str) + "\n")
-        shared = ArmSettings(
-            output, train_set, heldout_set, steps, batch, lr, bf16, logging_steps, disable_tqdm, every,
-            (output / MODELS_DIR, tokenizer) if save_models else None,
+        # what every run shares: `arm.train_arm`'s arguments
+        train = dict(
+            train_set=train_set, heldout_set=heldout_set, steps=steps, batch_size=batch, lr=lr, measure_before=False,
+            disable_tqdm=disable_tqdm, logging_steps=logging_steps or max(1, steps // 50), bf16=bf16,
+            stability_every=every,
         )  # fmt: skip
-        runs = _train_arms(config, twins, seed, seeds, shared)
+        save = (output / MODELS_DIR, tokenizer) if save_models else None  # with --save-models
+        runs = _train_arms(config, twins, seed, seeds, output, train, save)
         label = knock if variants is None else ",".join(t.name for t in twins)
         return write_report(
             runs, output, label, config, steps, final, twins if variants is not None else None, spike_margin
@@ -160,24 +154,7 @@ def _check_twins_fit(config, twins: list[Variant]) -> None:
             raise KHAError(f"variant {twin.name}: {err}") from err
 
 
-@dataclass(frozen=True)
-class ArmSettings:
-    """What every run of one A/B shares: where it works, its data and its training settings."""
-
-    output: Path
-    train_set: object
-    heldout_set: object
-    steps: int
-    batch: int
-    lr: float
-    bf16: bool
-    logging_steps: int | None
-    disable_tqdm: bool
-    logit_every: int
-    save: tuple | None  # (models folder, tokenizer) with --save-models
-
-
-def _train_arms(config, twins: list[Variant], seed: int, seeds: int, arm: ArmSettings) -> list[ArmRun]:
+def _train_arms(config, twins: list[Variant], seed: int, seeds: int, output: Path, train: dict, save) -> list[ArmRun]:
     runs: list[ArmRun] = []
     for run_seed in range(seed, seed + seeds):
         torch.manual_seed(run_seed)
@@ -189,15 +166,15 @@ def _train_arms(config, twins: list[Variant], seed: int, seeds: int, arm: ArmSet
                 + ", ".join(t.name if t.name != "kha" else t.knock for t in twins)
             )
         for name, twin in (("baseline", None), *((t.name, t) for t in twins)):
-            cached = cached_run(arm.output, name, run_seed)
+            cached = cached_run(output, name, run_seed)
             if cached is not None:
                 print(f"seed {run_seed}: {name} taken from the run cache")
                 runs.append(cached)
                 continue
             model = baseline if twin is None else _twin(baseline, twin, run_seed)
-            print(f"seed {run_seed}: training {name} ({arm.steps} steps)")
-            run = _train_one(model, name, run_seed, arm)
-            keep(arm.output, run)
+            print(f"seed {run_seed}: training {name} ({train['steps']} steps)")
+            run = _train_one(model, name, run_seed, output, train, save)
+            keep(output, run)
             runs.append(run)
     return runs
 
@@ -214,34 +191,11 @@ def _twin(baseline, twin: Variant, run_seed: int):
         raise KHAError(f"variant {twin.name}: {err}") from err
 
 
-def _train_one(model, name: str, run_seed: int, arm: ArmSettings) -> ArmRun:
+def _train_one(model, name: str, run_seed: int, output: Path, train: dict, save) -> ArmRun:
     if name == "baseline":
         model = copy.deepcopy(model)  # the untrained baseline stays the twins' starting point
-    args = paper_training_arguments(
-        arm.output / name,
-        max_steps=arm.steps,
-        per_device_train_batch_size=arm.batch,
-        per_device_eval_batch_size=arm.batch,
-        learning_rate=arm.lr,
-        logging_steps=arm.logging_steps or max(1, arm.steps // 50),
-        save_strategy="no",
-        seed=run_seed,
-        data_seed=run_seed,
-        bf16=arm.bf16,
-        disable_tqdm=arm.disable_tqdm,
-    )
-    trainer = KHATrainer(
-        model=model,
-        args=args,
-        train_dataset=arm.train_set,
-        eval_dataset=arm.heldout_set,
-        stability_every=arm.logit_every,
-    )
-    trainer.train()
-    heldout = trainer.evaluate()["eval_loss"]
-    curve = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-    if arm.save is not None:  # before the run is cached: a cached run's model is there too
-        folder, tokenizer = arm.save[0] / f"{name}-seed{run_seed}", arm.save[1]
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-    return ArmRun(name, run_seed, curve, curve[-1][1], heldout, stability=trainer.stability.rows)
+    run = train_arm(model, name, run_seed, output / name, **train)
+    if save is not None:  # before the run is cached: a cached run's model is there too
+        model.save_pretrained(save[0] / f"{name}-seed{run_seed}")
+        save[1].save_pretrained(save[0] / f"{name}-seed{run_seed}")
+    return run

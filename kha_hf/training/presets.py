@@ -1,4 +1,5 @@
-"""The model and run settings of `kha ab`'s presets (light: the CLI reads their names for its help)."""
+"""The training presets: a model and its run settings, for `kha train PRESET` and `kha ab PRESET` (light: the CLI
+reads their names for its help)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class ABPreset:
+class Preset:
     """A Qwen3-style (QK norm, GQA) model and its run: the paper's attention setting, scaled. With `experts`, a
     Qwen3-MoE model (every layer sparse, `active` experts per token of width `expert_size`): the paper's main
     shape. Its router is balanced as the family balances it in transformers, by the auxiliary loss
@@ -57,20 +58,20 @@ class ABPreset:
         )
 
 
-AB_PRESETS = {
+PRESETS = {
     # about 15 minutes for 3 seeds x 2 runs on 2 CPU cores
-    "cpu-tiny": ABPreset(256, 4, 8, 2, 32, 4096, 256, 8, 300, 3e-3),
+    "cpu-tiny": Preset(256, 4, 8, 2, 32, 4096, 256, 8, 300, 3e-3),
     # the paper's MoE shape scaled to a CPU: QK norm, 8 query heads per KV head (paper 32/4), 32 experts with 2
     # active (the paper's 1/16), every layer sparse
-    "cpu-tiny-moe": ABPreset(256, 4, 8, 1, 32, 4096, 256, 8, 300, 3e-3, experts=32, active=2, expert_size=64),
+    "cpu-tiny-moe": Preset(256, 4, 8, 1, 32, 4096, 256, 8, 300, 3e-3, experts=32, active=2, expert_size=64),
     # one GPU, minutes
-    "gpu-small": ABPreset(768, 12, 12, 4, 64, 8192, 1024, 16, 2000, 1e-3),
+    "gpu-small": Preset(768, 12, 12, 4, 64, 8192, 1024, 16, 2000, 1e-3),
     # the paper's attention shape (32 query / 4 KV heads, head_dim 128): hours on one GPU
-    "paper": ABPreset(2048, 16, 32, 4, 128, 16384, 2048, 16, 5000, 6e-4),
+    "paper": Preset(2048, 16, 32, 4, 128, 16384, 2048, 16, 5000, 6e-4),
     # the paper's MoE at its size: 128 experts, 8 active, Qwen3-style attention (QK norm, head_dim 128, 32/4 heads);
     # 6.3B parameters, 0.7B active per token (the paper's ablation model: A0.8B-6.6B)
-    "paper-moe": ABPreset(1536, 20, 32, 4, 128, 16384, 2048, 16, 5000, 6e-4, experts=128, active=8, expert_size=512),
+    "paper-moe": Preset(1536, 20, 32, 4, 128, 16384, 2048, 16, 5000, 6e-4, experts=128, active=8, expert_size=512),
     # Table 5's dense comparison (the paper's dense models: 0.61B-3.94B, 100B tokens; KHA-Linear beat KHA-MLP
     # there): a 1.6B dense model with the paper's attention shape
-    "paper-dense": ABPreset(2048, 28, 32, 4, 128, 16384, 2048, 16, 5000, 6e-4),
+    "paper-dense": Preset(2048, 28, 32, 4, 128, 16384, 2048, 16, 5000, 6e-4),
 }
