@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
@@ -289,3 +290,16 @@ def _cache_key() -> str:
 # The KV cache's name in model outputs and forward arguments: `cache` from transformers 5.24 on, `past_key_values`
 # before (5.16.1 to 5.23, the low end of kha-hf's range)
 CACHE_KEY = _cache_key()
+
+
+@contextlib.contextmanager
+def run_at_work_in(folder):
+    """A run at work in FOLDER, as kha's atomic output marks one: it holds the folder's lock (flock) meanwhile."""
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield folder
+    finally:
+        os.close(fd)

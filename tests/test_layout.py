@@ -1,11 +1,11 @@
 """The package layout that docs/contributing/layout.md describes: which part may import which, and no circles.
 
-modeling/ imports no other part (it travels with checkpoints); common/ imports only modeling/; conversion/,
-training/ and serving/ import modeling/, common/ and themselves (training/ also data/, the prepared corpora, which
-imports only common/), never each other; peft/ also reads KHA checkpoints
-(conversion/), eval/ also evaluates knock adapters (peft/); vllm_plugin/ imports only modeling/ (vLLM's processes run
-it: nothing of kha_hf's tools there); ab/ (kha ab) sits on the tool parts, workflows/ (kha demo) and cli/ on top of
-it, and nothing but the entry point imports cli/.
+modeling/ imports no other part (it travels with checkpoints); common/ imports only modeling/; checkpoint/ (reading,
+checking and writing checkpoint folders) imports common/ and modeling/; peft/ (the knock adapter), training/ and
+serving/ import those and themselves, never each other (training/ also data/, the prepared corpora); conversion/
+also reads knock adapters (peft/, `kha convert --adapter`), eval/ evaluates them (peft/); vllm_plugin/ imports only
+modeling/ (vLLM's processes run it: nothing of kha_hf's tools there); ab/ (kha ab) sits on the tool parts,
+workflows/ (kha demo) and cli/ on top of it, and nothing but the entry point imports cli/.
 Within and across parts, no module imports itself back through others (`test_no_import_cycles`).
 """
 
@@ -25,28 +25,12 @@ ALLOWED = {
     "common": {"common", "modeling"},
     # checkpoint folders: read, checked once, loaded and written atomically
     "checkpoint": {"checkpoint", "common", "modeling"},
-    "conversion": {"conversion", "checkpoint", "common", "modeling"},
-    "eval": {
-        "eval",
-        "checkpoint",
-        "common",
-        "modeling",
-        "peft",
-    },  # a knock adapter as the candidate (kha eval --adapter)
-    "data": {
-        "data",
-        "checkpoint",
-        "common",
-    },  # prepared corpora: kha tokenize, the token file and its reader, the global order
+    "conversion": {"conversion", "checkpoint", "common", "modeling", "peft"},  # kha convert --adapter
+    "eval": {"eval", "checkpoint", "common", "modeling", "peft"},  # kha eval --adapter: a knock adapter as candidate
+    "data": {"data", "checkpoint", "common"},  # prepared corpora: kha tokenize, the token file, the global order
     "training": {"training", "checkpoint", "common", "modeling", "data"},
     "serving": {"serving", "checkpoint", "common", "modeling"},
-    "peft": {
-        "peft",
-        "checkpoint",
-        "common",
-        "modeling",
-        "conversion",
-    },  # adapters <-> KHA checkpoints (adapter_files.py)
+    "peft": {"peft", "checkpoint", "common", "modeling"},  # the knock adapter, and adapters <-> KHA checkpoints
     # run in vLLM's processes (the vllm.general_plugins entry point): the model code, nothing of kha_hf's tools
     "vllm_plugin": {"vllm_plugin", "modeling"},
     # plugins for other trainers (Axolotl): the model, the knock adapter and the training rules, as a user's code would

@@ -5,8 +5,9 @@ three layers over two-layer weights gets a randomly initialised third layer (a w
 claims 10^9 layers allocates until the machine runs out of memory, and head counts of 0 or a dtype named
 "float128" end in tracebacks. The tools check first and answer in one line.
 
-These rules read no file: they take a config (dict or object) and the tensor headers that `checkpoint.py` read once
-(`open_checkpoint`), whose `Checkpoint.check` applies them to a folder.
+These rules read no file (the tied-output rule aside, which compares the stored head with the embeddings): they take
+a config (dict or object) and the tensor headers that `reader.open_checkpoint` read once, and it applies them as it
+opens a folder (`check_config`, then `check_weights`).
 """
 
 from __future__ import annotations

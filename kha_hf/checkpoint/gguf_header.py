@@ -4,7 +4,7 @@ transformers' GGUF loader builds the model from the file's metadata (`llama.bloc
 and only then reads the tensors: a 0.5 MB file that says `block_count = 200000` makes it allocate layer after layer
 without bound (found by the round-5 attack: RSS grew 20 MB/s to 2.95 GB with no output). `check_gguf_header` reads
 the metadata and the tensor table only (`gguf.GGUFReader` memory-maps the file; no tensor data is read) and refuses,
-in one line, a file whose numbers disagree with its tensors, as `checkpoint.Checkpoint.check` does for
+in one line, a file whose numbers disagree with its tensors, as `reader.open_checkpoint` does for
 safetensors checkpoints.
 """
 

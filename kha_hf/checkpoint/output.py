@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import stat
 import sys
 import tempfile
@@ -48,11 +47,8 @@ class Partial:
     """A temporary folder of a run writing DST (found by its marker, never by its name alone)."""
 
     folder: Path
-    host: str
-    pid: int
-    start: int | None  # the process's start time (Linux), so a reused process id is not taken for the owner
     state: str
-    alive: bool  # the owner still runs (or runs on another host, where it cannot be checked)
+    alive: bool  # a run holds its lock (or the file system cannot say: then it is left alone)
 
 
 @contextlib.contextmanager
@@ -66,8 +62,8 @@ def atomic_output_dir(
 ) -> Iterator[Path]:
     """Yield an empty temporary folder beside DST; on success it becomes DST, on any failure it is removed.
 
-    - The temporary folder is `.kha-<random>.partial` (its `.kha-partial` marker names DST, the owning host and
-      process), so any DST name the file system accepts works.
+    - The temporary folder is `.kha-<random>.partial` (its `.kha-partial` marker names DST; the run holds its lock
+      while it works), so any DST name the file system accepts works.
     - The existence check is atomic with the final rename (Linux `renameat2`): a DST that appears while we work
       (another run, another program) is never replaced without `overwrite`; that run fails instead.
     - With `overwrite`, the new folder is swapped in atomically and the old one removed only then, and only if kha
@@ -255,13 +251,7 @@ def _write_new_file(path: Path, text: str) -> None:
 
 
 def _write_partial_marker(folder: Path, dst: Path, state: str) -> None:
-    record = {
-        "destination": dst.name,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "start": _process_start(os.getpid()),
-        "state": state,
-    }
+    record = {"destination": dst.name, "state": state}  # its owner is whoever holds its lock (`_lock`)
     _write_new_file(folder / PARTIAL_MARKER, json.dumps(record) + "\n")
 
 
@@ -276,14 +266,12 @@ def _read_partial(folder: Path, dst: Path) -> Partial | None:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 return None
             record = json.loads(f.read(65536).decode("utf-8"))
-        host, pid, start, state = record["host"], record["pid"], record.get("start"), record["state"]
+        state = record["state"]
     except (OSError, ValueError, KeyError, TypeError):  # no marker, or not kha's: JSON of another shape
         return None
-    if record.get("destination") != dst.name or not (isinstance(host, str) and isinstance(pid, int)):
+    if record.get("destination") != dst.name or not isinstance(state, str):
         return None
-    if not isinstance(state, str) or (start is not None and not isinstance(start, int)):
-        return None
-    return Partial(folder, host, pid, start, state, _owner_alive(host, pid, start, folder))
+    return Partial(folder, state, _locked(folder))
 
 
 def _partials(dst: Path) -> list[Partial]:
@@ -336,45 +324,22 @@ def check_adoptable(folder: Path, dst: Path) -> Path:
     return folder
 
 
-def _owner_alive(host: str, pid: int, start: int | None, folder: Path | None = None) -> bool:
-    if folder is not None and _locked(folder):
-        return True  # a run holds its lock: whatever the marker says, it works there now
-    if host != socket.gethostname():
-        return True  # another machine's process cannot be checked: assume it still works
-    if not _process_exists(pid):
-        return False
-    if start is None:
-        return True
-    now = _process_start(pid)
-    return now is None or now == start
-
-
 def _locked(folder: Path) -> bool:
-    """True when a run holds FOLDER's lock (`_lock`)."""
+    """True when a run holds FOLDER's lock (`_lock`, held by the kernel for as long as the run lives, however it
+    ends), or when that cannot be told (a file system without locks): such a folder is never removed or adopted."""
     import fcntl
 
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
-        return False
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError:  # BlockingIOError: a run holds it
         return True
-    except OSError:
-        return False
     finally:
         os.close(fd)  # closing releases a lock taken here
     return False
-
-
-def _process_start(pid: int) -> int | None:
-    """The start time of process PID (Linux /proc, in clock ticks since boot); None where unknown."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-        return int(text.rsplit(")", 1)[1].split()[19])  # field 22; the fields after the command name start at 3
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> Path | None:
@@ -403,8 +368,8 @@ def _clear_after_commit(dst: Path, old: Path | None) -> None:
 
 
 def remove_stale_partials(dst: Path) -> list[Path]:
-    """Remove the temporary folders of runs writing DST on this host whose process no longer exists, except those
-    holding training checkpoints (kept for `--resume`)."""
+    """Remove the temporary folders of runs writing DST whose run has ended (no lock held), except those holding
+    training checkpoints (kept for `--resume`)."""
     dst = Path(dst).expanduser().absolute()
     removed = []
     for partial in _partials(dst):
@@ -415,16 +380,6 @@ def remove_stale_partials(dst: Path) -> list[Path]:
         shutil.rmtree(partial.folder, ignore_errors=True)
         removed.append(partial.folder)
     return removed
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
 
 
 class Terminated(KeyboardInterrupt):

@@ -25,14 +25,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..common.assets import asset_paths, gemma3_gguf, smollm2_gguf
+    from ..common.assets import assets_text
 
-    if args.gguf:
-        print(smollm2_gguf())
-        return 0
-    if args.gemma3:
-        print(gemma3_gguf())
-        return 0
-    for name, path in asset_paths().items():
-        print(f"{name:<16} {path}")
+    print(assets_text(args.gguf, args.gemma3))
     return 0

@@ -62,23 +62,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    from ..checkpoint.loading import (
-        check_hub_repo_id,
-        check_processor_bounds,
-        check_processor_needs_no_code,
-        check_tokenizer_needs_no_code,
-    )
     from ..conversion import convert
-    from ..peft.adapter_files import read_knock_adapter
-
-    if args.push_to_hub:
-        check_hub_repo_id(args.push_to_hub, "--push-to-hub")  # before converting, not after
-    if Path(args.src).expanduser().is_dir():
-        check_tokenizer_needs_no_code(Path(args.src).expanduser())  # a KHA folder never runs tokenizer code
-        check_processor_needs_no_code(Path(args.src).expanduser())  # ... nor processor code
-        check_processor_bounds(Path(args.src).expanduser())  # ... nor one that resizes an image to gigabytes
 
     result = convert(
         args.src,
@@ -92,7 +76,7 @@ def run(args) -> int:
         private=args.private,
         overwrite=args.overwrite,
         revision=args.revision,
-        trained_knocks=read_knock_adapter(args.adapter) if args.adapter else None,  # before SRC is read
+        trained_knocks=args.adapter,
     )
     preset = result.config.knock_preset or "custom"
     origin = f", trained, from {args.adapter}" if args.adapter else ""

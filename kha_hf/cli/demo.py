@@ -33,11 +33,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..checkpoint.loading import check_model_ref
     from ..workflows.demo import run_demo
-
-    if args.model is not None:
-        check_model_ref(args.model, "--model")  # before the banner, and named as the option the user typed
 
     run_demo(
         args.model,

@@ -4,31 +4,6 @@ from __future__ import annotations
 
 from ._common import MAX_BATCH, HelpFormatter, bounded_int, fewshot_count, positive_int, seed_int
 
-# What --recompute never uses (it reads DIR alone): given with it, refused instead of silently ignored.
-RECOMPUTE_IGNORES: dict = dict.fromkeys(
-    [
-        "baseline",
-        "candidate",
-        "adapter",
-        "tasks",
-        "suite",
-        "limit",
-        "num_fewshot",
-        "batch_size",
-        "device",
-        "dtype",
-        "output",
-        "overwrite",
-        "local_data",
-        "perplexity",
-        "seed",
-        "trust_remote_code",
-        "backend",
-        "vllm_python",
-        "vllm_args",
-    ]
-)
-
 
 def add_parser(sub) -> None:
     from ..eval.suites import SUITES
@@ -98,60 +73,12 @@ def add_parser(sub) -> None:
         help="run model code shipped inside the model folders (never by default)",
     )
     p.set_defaults(func=run)
-    RECOMPUTE_IGNORES.update({dest: p.get_default(dest) for dest in RECOMPUTE_IGNORES})
+    from ..eval.command import RECOMPUTE_IGNORES
+
+    RECOMPUTE_IGNORES.update({dest: p.get_default(dest) for dest in RECOMPUTE_IGNORES})  # what "given" means
 
 
 def run(args) -> int:
-    from ..common.errors import KHAError
+    from ..eval.command import run as run_eval_command
 
-    if args.recompute:
-        given = [dest for dest, default in RECOMPUTE_IGNORES.items() if getattr(args, dest, default) != default]
-        if given:
-            options = ", ".join("--" + dest.replace("_", "-") for dest in given)
-            raise KHAError(f"--recompute DIR reads DIR alone; it cannot be combined with {options}")
-        return _recompute(args.recompute)
-    if not args.candidate and not args.adapter:
-        raise KHAError("--candidate is required (or --baseline with --adapter, or --recompute DIR)")
-    from ..eval import run_eval
-
-    run_eval(
-        args.candidate,
-        baseline=args.baseline,
-        tasks=args.tasks,
-        suite=args.suite,
-        limit=args.limit,
-        num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size,
-        device=args.device,
-        dtype=args.dtype,
-        output=args.output,
-        local_data=args.local_data,
-        perplexity_file=args.perplexity,
-        seed=args.seed,
-        trust_remote_code=args.trust_remote_code,
-        overwrite=args.overwrite,
-        adapter=args.adapter,
-        backend=args.backend,
-        vllm_python=args.vllm_python,
-        vllm_model_args=args.vllm_args,
-    )
-    return 0
-
-
-def _recompute(folder: str) -> int:
-    from ..eval.paired import recompute
-
-    result = recompute(folder)
-    for row in result["rows"]:
-        paired = row["paired"]
-        interval = paired["ci95"]
-        shown = f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "[–]"
-        print(
-            f"{row['task']} {row['metric']}: Δ {paired['delta']:+.4f} {shown}, p {paired['p_value']}, "
-            f"Holm p {paired['p_holm']} ({paired['n']} documents, {paired['test']})"
-        )
-    if result["matches"]:
-        print(f"every paired statistic equals {folder}/summary.json")
-        return 0
-    print(f"differs from {folder}/summary.json: {', '.join(result['mismatches'])}")
-    return 1
+    return run_eval_command(args)

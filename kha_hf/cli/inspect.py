@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from ._common import HelpFormatter, non_negative_int
 
 
@@ -32,22 +30,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
+    from ..conversion.knock_stats import inspect
 
-    from ..checkpoint.knock_reader import open_kha_checkpoint
-    from ..checkpoint.output import atomic_output_file
-    from ..checkpoint.paths import check_file_destination, check_place
-    from ..conversion.knock_stats import check_plot_path, format_table, knock_statistics, plot_knocks, to_json
-
-    if args.plot:
-        check_plot_path(args.plot)  # before any work: a bad name is a one-line error
-        check_file_destination(args.plot, args.overwrite)  # no link written through, no file replaced unasked
-        check_place(args.plot, [Path(args.kha_dir)])  # KHA_DIR is read-only: no plot inside it
-    kha = open_kha_checkpoint(args.kha_dir)  # read and checked once, for the table and the plot
-    rows = knock_statistics(kha)
-    print(to_json(rows) if args.json else format_table(rows))
-    if args.plot:
-        with atomic_output_file(args.plot, overwrite=args.overwrite) as tmp:  # appears complete, or not at all
-            plot_knocks(kha, tmp, max_layers=args.max_layers or None)
-        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    inspect(args.kha_dir, args.plot, args.overwrite, args.max_layers, args.json)
     return 0

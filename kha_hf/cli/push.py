@@ -21,10 +21,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..checkpoint.loading import check_hub_repo_id
     from ..conversion.hub import push_folder
-
-    check_hub_repo_id(args.repo_id, "REPO_ID")
 
     print(f"uploaded {args.folder} to {args.repo_id}: {push_folder(args.folder, args.repo_id, private=args.private)}")
     return 0

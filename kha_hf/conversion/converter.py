@@ -21,12 +21,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..checkpoint.adapter_knocks import TrainedKnocks, adapter_kha_config, adapter_knocks
 from ..checkpoint.checks import (
     architectures_of,
-    check_knocks_fit,
 )
 from ..checkpoint.knock_tensors import initial_knock_tensors
-from ..checkpoint.loading import PROCESSOR_FILES, TOKENIZER_FILES
+from ..checkpoint.loading import (
+    PROCESSOR_FILES,
+    TOKENIZER_FILES,
+    check_hub_repo_id,
+    check_processor_bounds,
+    check_processor_needs_no_code,
+    check_tokenizer_needs_no_code,
+)
 from ..checkpoint.output import atomic_output_dir, carry_over_files, place_file, report_placement
 from ..checkpoint.paths import check_destination, check_free_space, check_source_links
 from ..checkpoint.reader import open_checkpoint
@@ -62,18 +69,6 @@ REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "v
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
-class TrainedKnocks:
-    """Knocks trained on a base model elsewhere (a PEFT knock adapter), for `convert` to write instead of
-    identities."""
-
-    knock_types: dict[str, str]  # q / k / v -> linear or mlp (targets without a knock left out)
-    knock_layers: list[int] | None  # None: every attention layer
-    base_model_type: str | None  # the family they were trained on, when recorded
-    tensors: dict[str, torch.Tensor]  # by the KHA model's names (`model.layers.3.self_attn.v_knock.up.weight`)
-    folder: Path | None = None  # where they were read: a source, which DST may not be, hold or lie in
-
-
 @dataclass
 class ConversionResult:
     output: Path
@@ -98,7 +93,7 @@ def convert(
     revision: str | None = None,
     token: str | None = None,
     progress: bool = True,
-    trained_knocks: TrainedKnocks | None = None,
+    trained_knocks: TrainedKnocks | str | Path | None = None,
 ) -> ConversionResult:
     """Upgrade SRC (folder, Hub id or .gguf) to a KHA checkpoint in DST with identity knocks.
 
@@ -109,9 +104,9 @@ def convert(
         dtype: cast weights to float32/bfloat16/float16 (rewrites shards one at a time); default: keep.
         verify: load base and KHA models and require identical logits before DST is put in place.
         push_to_hub: upload the finished folder to this Hub repo id.
-        trained_knocks: knocks trained on SRC elsewhere (a knock adapter: `kha_hf.peft.read_knock_adapter(dir)`):
-            DST gets them instead of identities, with their knock types and layers (KNOCK and KNOCK_LAYERS must
-            then be left unset).
+        trained_knocks: knocks trained on SRC elsewhere, a knock adapter's folder (or what
+            `kha_hf.peft.read_knock_adapter(dir)` read of it): DST gets them instead of identities, with their knock
+            types and layers (KNOCK and KNOCK_LAYERS must then be left unset).
         src: the base checkpoint: a local folder, a Hub id (`revision`, `token`) or a `.gguf` file.
         dst: the output folder; it appears only when complete.
         private: make the `push_to_hub` repository private.
@@ -130,7 +125,18 @@ def convert(
             does not describe the weights, pickle weights, a link out of SRC, a DST that exists (without
             `overwrite`) or lies inside SRC, too little free space, or (`verify`) logits that differ.
     """
+    if push_to_hub:
+        check_hub_repo_id(push_to_hub, "--push-to-hub")  # before converting, not after
+    local_src = Path(src).expanduser()
+    if local_src.is_dir():  # a KHA folder never runs tokenizer or processor code, nor resizes an image to gigabytes
+        check_tokenizer_needs_no_code(local_src)
+        check_processor_needs_no_code(local_src)
+        check_processor_bounds(local_src)
     knocks_from = trained_knocks
+    if isinstance(knocks_from, (str, Path)):  # read before SRC is
+        from ..peft.adapter_files import read_knock_adapter
+
+        knocks_from = read_knock_adapter(knocks_from)
     if knocks_from is not None:
         if knock is not None or knock_layers is not None:
             raise KHAError("--adapter sets the knocks: leave --knock and --knock-layers out")
@@ -147,7 +153,6 @@ def convert(
         raise KHAError(str(err)) from err
     if dtype is not None and dtype not in DTYPES:
         raise KHAError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
-    local_src = Path(src).expanduser()
     read = [knocks_from.folder] if knocks_from is not None and knocks_from.folder is not None else []
     dst = check_destination(dst, [local_src, *read] if local_src.exists() else read, overwrite)  # before downloading
     source = resolve_source(src, revision=revision, token=token)
@@ -311,34 +316,6 @@ def _convert_folder(
     (out / "README.md").write_text(kha_card(config, card, title, CONVERTED if knocks_from is None else FROM_ADAPTER))
     shard_names = [renamed.get(s, s) for s in shards]
     return ConversionResult(out, source.name, config, sorted(knocks), shard_names, missing)
-
-
-def adapter_kha_config(base_config: dict, adapter: TrainedKnocks, folder: Path) -> KHAConfig:
-    """The KHA config of BASE_CONFIG with the knock types and layers of ADAPTER."""
-    recorded = adapter.base_model_type
-    if recorded is not None and recorded != base_config.get("model_type"):
-        raise KHAError(f"the adapter was trained on a {recorded} model; {folder} is {base_config.get('model_type')!r}")
-    types = {f"knock_{t}": adapter.knock_types.get(t, "none") for t in ("q", "k", "v")}
-    return KHAConfig.from_base(base_config, knock=None, knock_layers=adapter.knock_layers, **types)
-
-
-def adapter_knocks(
-    identities: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], what: str
-) -> dict[str, torch.Tensor]:
-    """TRAINED (an adapter's knocks, by KHA name) in place of IDENTITIES: the same names and shapes, cast to the
-    checkpoint's dtype; one line naming the first difference otherwise (an adapter of another model)."""
-    check_knocks_fit(
-        {name: tuple(tensor.shape) for name, tensor in identities.items()},
-        trained,
-        lambda missing, extra: KHAError(
-            f"the adapter's knocks do not fit {what}: {len(missing)} missing {missing[:2]}, {len(extra)} unexpected "
-            f"{extra[:2]} (an adapter of another model?)"
-        ),
-        lambda name, shape, needed: KHAError(
-            f"the adapter's {name} has shape {shape}, {what} needs {needed} (an adapter of another model size?)"
-        ),
-    )
-    return {name: trained[name].to(identities[name].dtype).contiguous() for name in identities}
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

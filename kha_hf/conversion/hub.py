@@ -13,6 +13,9 @@ def push_folder(folder: str | Path, repo_id: str, private: bool = False, token: 
     """Create (or reuse) the model repo and upload every file of `folder`; returns the commit URL."""
     from huggingface_hub import HfApi
 
+    from ..checkpoint.loading import check_hub_repo_id
+
+    check_hub_repo_id(repo_id, "REPO_ID")
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise KHAError(f"{folder} is not a checkpoint folder (no config.json)")

@@ -146,3 +146,25 @@ def plot_knocks(kha_dir: str | Path | KHACheckpoint, path: str | Path, max_layer
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def inspect(kha_dir: str | Path, plot: str | None = None, overwrite: bool = False, max_layers: int = 8, as_json=False):
+    """`kha inspect`: print KHA_DIR's knock statistics (a table, or JSON), and with PLOT write the heatmaps there
+    (atomically, never through a link, never inside KHA_DIR; MAX_LAYERS evenly spaced, 0 for all). The folder is
+    read and checked once, for the table and the plot; PLOT's name and place are checked before any work."""
+    import sys
+
+    from ..checkpoint.output import atomic_output_file
+    from ..checkpoint.paths import check_file_destination, check_place
+
+    if plot:
+        check_plot_path(plot)  # a bad name is a one-line error
+        check_file_destination(plot, overwrite)  # no link written through, no file replaced unasked
+        check_place(plot, [Path(kha_dir)])  # KHA_DIR is read-only: no plot inside it
+    kha = open_kha_checkpoint(kha_dir)
+    rows = knock_statistics(kha)
+    print(to_json(rows) if as_json else format_table(rows))
+    if plot:
+        with atomic_output_file(plot, overwrite=overwrite) as tmp:  # appears complete, or not at all
+            plot_knocks(kha, tmp, max_layers=max_layers or None)
+        print(f"wrote {plot}", file=sys.stderr if as_json else sys.stdout)

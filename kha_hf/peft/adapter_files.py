@@ -7,8 +7,8 @@ names. `write_knock_adapter`: a KHA checkpoint's knocks saved as a knock adapter
 BASE into a KHA checkpoint whose knocks are the adapter's (instead of identities): the servable form of an adapter
 whose MLP knocks cannot merge into a stock model. Only what a knock adapter holds is accepted: `adapter_config.json`
 of type KNOCK, validated by `KnockConfig`, and `adapter_model.safetensors` (never a pickle) holding knock tensors
-only, every one finite floating point. Which knocks and shapes the KHA model needs is the converter's to check
-(`conversion.converter`).
+only, every one finite floating point. Which knocks and shapes the KHA model needs is checked by
+`checkpoint.adapter_knocks`.
 
 Adapter keys, as `KnockModel.save_pretrained` writes them (the adapter's name stripped):
 `base_model.model.model.layers.3.self_attn.v_proj.knock_sets.v_knock.net.0.weight` -> KHA key
@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..checkpoint.adapter_knocks import TrainedKnocks, adapter_kha_config, adapter_knocks
 from ..checkpoint.paths import check_source_links
 from ..checkpoint.safetensors_index import read_header
 from ..common.errors import KHAError
 from ..common.text_files import read_json_object
-from ..conversion.converter import TrainedKnocks
 from .config import KNOCK_PEFT_TYPE, KnockConfig
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -158,7 +158,6 @@ def check_adapter_fits(base: str | Path, folder: str | Path) -> TrainedKnocks:
     from ..checkpoint.knock_tensors import initial_knock_tensors, layer_prefix
     from ..checkpoint.loading import find_gguf
     from ..checkpoint.reader import open_checkpoint
-    from ..conversion.converter import adapter_kha_config, adapter_knocks
 
     adapter = read_knock_adapter(folder)
     path = Path(str(base)).expanduser()

@@ -30,8 +30,11 @@ def run_demo(
     trust_remote_code: bool = False,
 ) -> dict:
     """The demo into OUTPUT, which appears when it is complete (an existing one is replaced only with `overwrite`)."""
+    from ..checkpoint.loading import check_model_ref
     from ..common.assets import smollm2_gguf
 
+    if model is not None:
+        check_model_ref(model, "--model")  # before any work, named as the option the user typed
     start = time.perf_counter()
     base = str(model or smollm2_gguf())
     final = check_run_destination(output, [base], None, overwrite)

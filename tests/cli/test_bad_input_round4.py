@@ -401,9 +401,10 @@ def test_resume_from_a_checkpoint_with_a_non_weights_pickle(kha, text, tmp_path,
 
 # --- ordering and wording of errors -------------------------------------------------------------------------------
 def test_push_to_hub_repo_id_is_checked_before_converting(base, tmp_path, capsys, monkeypatch):
-    import kha_hf.conversion as conversion
+    import kha_hf.conversion.converter as converter
 
-    monkeypatch.setattr(conversion, "convert", lambda *a, **k: pytest.fail("converted first"))
+    # convert() checks the id first: nothing of SRC is resolved or converted before
+    monkeypatch.setattr(converter, "resolve_source", lambda *a, **k: pytest.fail("converted first"))
     argv = ["convert", str(base), str(tmp_path / "out"), "--push-to-hub", "bad repo!!"]
     assert "--push-to-hub 'bad repo!!' is not a valid Hub repo id" in one_line_error(capsys, argv, "convert")
     assert not (tmp_path / "out").exists()

@@ -26,7 +26,7 @@ from kha_hf.common.errors import KHAError
 from kha_hf.conversion import convert
 from kha_hf.conversion.converter import KNOCKS_FILE
 from tests.conversion.test_convert import make_checkpoint, sha256_tree
-from tests.helpers import tiny_base_model
+from tests.helpers import run_at_work_in, tiny_base_model
 
 IDS = torch.tensor([[3, 9, 27, 81, 5, 15]])
 
@@ -334,6 +334,7 @@ def test_a_rerun_removes_stale_partials_it_owns_and_keeps_others(tmp_path):
     old_style = tmp_path / ".out.jkl012.partial"  # kha-hf <= 0.2's name and marker: no longer kha's to remove
     old_style.mkdir()
     (old_style / PARTIAL_MARKER).write_text(f"{socket.gethostname()} {dead.pid}\n")
-    assert remove_stale_partials(tmp_path / "out") == [stale]
+    with run_at_work_in(alive):  # its run holds the lock
+        assert remove_stale_partials(tmp_path / "out") == [stale]
     assert old_style.exists()
     assert alive.exists() and foreign.exists() and not stale.exists()

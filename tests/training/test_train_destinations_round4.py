@@ -19,6 +19,7 @@ from kha_hf.checkpoint.output import PARTIAL_MARKER, resumable_partials
 from kha_hf.checkpoint.paths import OUTPUT_MARKER
 from kha_hf.cli import main
 from tests.cli.test_bad_input import one_line_error
+from tests.helpers import run_at_work_in
 from tests.training.test_train_safety import TRAIN, tree_digest
 
 RUN = ["--max-steps", "4", "--save-steps", "2", "--seq-len", "64", "--batch-size", "4"]
@@ -201,5 +202,6 @@ def test_a_partial_whose_process_still_runs_is_not_adopted(kha_dir, tmp_path, ca
     folder = fake_run(tmp_path / ".kha-live1234.partial")
     record = {"destination": "out", "host": socket.gethostname(), "pid": os.getpid(), "state": "resumable"}
     (folder / PARTIAL_MARKER).write_text(json.dumps(record))
-    err = one_line_error(capsys, ["train", str(kha_dir), "--output", str(tmp_path / "out"), "--resume"], "train")
+    with run_at_work_in(folder):
+        err = one_line_error(capsys, ["train", str(kha_dir), "--output", str(tmp_path / "out"), "--resume"], "train")
     assert "nothing to resume" in err and folder.is_dir()
