@@ -22,7 +22,7 @@ import torch
 from ..common.errors import KHAError
 from ..modeling.configuration_kha import TASK_HEADS, KHAConfig, base_config_class, multimodal_text_type
 from ..modeling.families import FAMILIES, family_spec, projection_features
-from .knock_tensors import KNOCK_KEY, knock_specs, layer_prefix
+from .knock_tensors import KNOCK_KEY, knock_specs
 from .safetensors_index import TensorInfo
 
 # Architecture sizes that must be positive integers wherever a config has them.
@@ -40,13 +40,14 @@ MAX_LAYERS = 4096  # the deepest open decoders have about 128
 LAYER_COUNT_FIELDS = ("num_hidden_layers", "depth", "num_layers")  # depth: Qwen-VL's vision towers
 _LAYER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
 _PROJECTION = re.compile(r"^(?:.*\.)?layers\.\d+\.self_attn\.(\w+)\.weight$")
+_PROJECTION_KEY = re.compile(r"^(?P<prefix>.*)layers\.\d+\.self_attn\.(?P<projection>\w+)\.weight$")
 
 
 def check_config_numbers(config: dict, where: str) -> None:
     """Sizes are positive integers; the dtype names a torch floating dtype (or 'auto'); no value is NaN or
     infinite; the activation, RoPE and layer types are ones the model code knows (`check_config_values`)."""
-    check_config_values(config, where)
     _check_sizes(config, where)
+    check_config_values(config, where)
     if isinstance(config.get("text_config"), dict):  # a multimodal model's text decoder: the same checks
         check_config_numbers(config["text_config"], f"{where} (text_config)")
     if isinstance(config.get("vision_config"), dict):  # its vision tower: sizes (its RoPE is its own: axial, ...)
@@ -464,9 +465,39 @@ def check_remote_code_allowed(config: dict, folder: Path, trust_remote_code: boo
     )
 
 
+def layer_prefix(tensor_names, config: KHAConfig) -> str:
+    """The prefix in front of the text decoder's `layers.` in a checkpoint of CONFIG's model: `model.` for
+    ...ForCausalLM checkpoints, `model.language_model.` (Gemma 3, Qwen2.5-VL), `model.text_model.` (SmolVLM),
+    `language_model.model.` (Llama 4, and Hub checkpoints of the older multimodal layout)."""
+    model_type = config.knock_config.base_model_type
+    projections = set(family_spec(model_type).layout)
+    prefixes: list[str] = []
+    for name in tensor_names:
+        match = _PROJECTION_KEY.match(name)
+        if match and match.group("projection") in projections and match.group("prefix") not in prefixes:
+            prefixes.append(match.group("prefix"))
+    if not prefixes:
+        raise ValueError(
+            f"no `layers.N.self_attn.{{{', '.join(sorted(projections))}}}.weight` tensor: the weights do not follow "
+            f"the {model_type} attention layout"
+        )
+    if not config.is_multimodal:
+        return prefixes[0]
+    # A vision tower may name its attention as the text decoder does (SigLIP, Pixtral). The text decoder's prefix
+    # is made of these names only (model.language_model., language_model.model., model.text_model., Qwen2.5-VL's
+    # model.); a tower's names the tower (vision_tower., visual., ...). It is required even when it is the only
+    # prefix found: a checkpoint whose text layers are missing must not get its knocks in the vision tower.
+    text = [p for p in prefixes if set(p.rstrip(".").split(".")) <= {"model", "language_model", "text_model"}]
+    if len(text) != 1:
+        found = ", ".join(prefixes)
+        raise ValueError(f"cannot tell which of these layer stacks is the text decoder's: {found}")
+    return text[0]
+
+
 def check_weights(folder: Path, config: dict, tensors: dict[str, TensorInfo], built, causal_lm: bool | str) -> tuple:
     """`checks.py`'s rules on CONFIG and TENSORS: (the config object built, the model's tensor shapes, the text
-    decoder's layer prefix) of a family kha knows; (BUILT, None, None) for another architecture, whose code
+    decoder's layer prefix, the stock config of the causal LM) of a family kha knows; (BUILT, None, ...) for another
+    architecture, whose code
     (transformers' or its own) checks its own. A KHA config built by the tool (BUILT) also places the knocks: the
     text decoder's layers are found, and a KHA checkpoint holds exactly the knock tensors its config describes.
     CAUSAL_LM: a task head is refused first (a string: why, in the tool's words)."""
@@ -475,7 +506,7 @@ def check_weights(folder: Path, config: dict, tensors: dict[str, TensorInfo], bu
         why = causal_lm if isinstance(causal_lm, str) else NOT_A_LANGUAGE_MODEL
         refuse_task_head(folder, task_head(config, tensors, where), why)
     if not tensors:  # a config without weights (a tool that needs them refuses: `Checkpoint.weights`)
-        return built, None, None
+        return built, None, None, None
     kha, prefix = config.get("model_type") == "kha", None
     if isinstance(built, KHAConfig):
         try:
@@ -491,7 +522,7 @@ def check_weights(folder: Path, config: dict, tensors: dict[str, TensorInfo], bu
     model_type = family_type(config)
     multimodal = multimodal_text_type(model_type) is not None
     if model_type not in FAMILIES and not multimodal:
-        return built, None, prefix
+        return built, None, prefix, None
     if built is None:
         fields = {k: v for k, v in config.items() if k != "model_type"}
         try:
@@ -505,13 +536,13 @@ def check_weights(folder: Path, config: dict, tensors: dict[str, TensorInfo], bu
             check_weights_match_config(text.to_dict(), text_tensors, text_where)
             check_attention_layout(text, text_tensors, text_where)
         check_multimodal_weights(built, tensors, where)
-        return built, None, prefix
+        return built, None, prefix, None
     check_attention_layout(built, tensors, where)
     base = built.to_base_config() if built.model_type == "kha" else built
     shapes = model_tensor_shapes(base, where)
     check_tensor_shapes(shapes, tensors, where)
     check_tied_output(base, tensors, folder, where)
-    return built, shapes, prefix
+    return built, shapes, prefix, base
 
 
 NOT_A_LANGUAGE_MODEL = (

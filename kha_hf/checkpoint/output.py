@@ -517,3 +517,18 @@ def carry_over_files(src: Path, dst: Path) -> list[str]:
         shutil.copyfile(confined_file(src, path), dst / path.name)
         carried.append(path.name)
     return carried
+
+
+def check_free_space(folder: Path, needed: int, what: str) -> None:
+    """KHAError with both sizes when the file system of FOLDER (or of its nearest existing parent, for a folder
+    still to be made) has less than NEEDED bytes free."""
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise KHAError(f"not enough free space in {folder} for {what}: needs {_size(needed)}, {_size(free)} available")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"

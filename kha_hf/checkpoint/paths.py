@@ -15,7 +15,6 @@ A tool that rewrites other people's multi-GB checkpoints must never delete or ov
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from ..common.errors import KHAError
@@ -202,14 +201,3 @@ def check_source_links(folder: Path, names: list[str] | None = None) -> None:
     entries = [folder / name for name in names] if names is not None else sorted(folder.iterdir())
     for path in entries:
         confined_file(folder, path)
-
-
-def check_free_space(folder: Path, needed: int, what: str) -> None:
-    """KHAError with both sizes when the file system of FOLDER has less than NEEDED bytes free."""
-    free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise KHAError(f"not enough free space in {folder} for {what}: needs {_size(needed)}, {_size(free)} available")
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"

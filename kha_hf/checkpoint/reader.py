@@ -81,6 +81,7 @@ class Checkpoint:
     model_config: object = None  # the config object built from it (a KHAConfig, a family's config); None if unbuilt
     shapes: dict | None = None  # name -> shape of every tensor the causal LM it describes holds (`model_tensor_shapes`)
     prefix: str | None = None  # the text decoder's `...layers.` prefix, where the tool built a KHAConfig
+    base_config: object = None  # the stock config of the causal LM it describes (a KHA config's `to_base_config()`)
 
     @property
     def has_weights(self) -> bool:

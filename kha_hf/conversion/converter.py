@@ -34,8 +34,8 @@ from ..checkpoint.loading import (
     check_processor_needs_no_code,
     check_tokenizer_needs_no_code,
 )
-from ..checkpoint.output import atomic_output_dir, carry_over_files, place_file, report_placement
-from ..checkpoint.paths import check_destination, check_free_space, check_source_links
+from ..checkpoint.output import atomic_output_dir, carry_over_files, check_free_space, place_file, report_placement
+from ..checkpoint.paths import check_destination, check_source_links
 from ..checkpoint.reader import open_checkpoint
 from ..checkpoint.safetensors_index import INDEX_FILE, SINGLE_FILE, shard_files
 from ..common.errors import KHAError

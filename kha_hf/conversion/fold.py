@@ -25,8 +25,8 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from ..checkpoint.knock_reader import open_kha_checkpoint
-from ..checkpoint.output import atomic_output_dir, carry_over_files, place_file, report_placement
-from ..checkpoint.paths import check_destination, check_free_space, check_source_links
+from ..checkpoint.output import atomic_output_dir, carry_over_files, check_free_space, place_file, report_placement
+from ..checkpoint.paths import check_destination, check_source_links
 from ..checkpoint.safetensors_index import INDEX_FILE, shard_files
 from ..common.errors import KHAError
 from ..common.model_card import kha_card, read_source_card
@@ -120,22 +120,22 @@ def fold(
             raise KHAError(f"nothing to fold: this model has no linear knocks (only the {names} MLP)")
     lm = "KHAForConditionalGeneration" if config.is_multimodal else "KHAForCausalLM"
     kind = next((name for name in config.architectures or () if name in TASK_HEADS), lm)
-    if kind != lm and kind not in family_heads(config.base_model_type):
+    heads = family_heads(config.base_model_type)  # a reward model or classifier keeps its head class
+    if kind != lm and kind not in heads:
         raise KHAError(f"{kha_dir}: {config.base_model_type} has no {kind.removeprefix('KHAFor')} head in transformers")
+    needed = sum((kha_dir / f).stat().st_size for f in shard_files(tensors))
+    check_free_space(out.parent, needed, "the folded shards")  # where the temporary folder will be, beside OUT
     plan, folded_knocks = checked_fold_plan(kha, linear)
     dropped = set(folded_knocks)
 
     with atomic_output_dir(out, overwrite=overwrite, marker="fold") as tmp:
-        check_free_space(tmp, sum((kha_dir / f).stat().st_size for f in shard_files(tensors)), "the folded shards")
         weight_map, placed = {}, []
         for file in tqdm(shard_files(tensors), desc="fold shards", unit="shard", disable=not progress):
             names = [n for n, info in tensors.items() if info.file == file]
             kept = [n for n in names if n not in dropped]
             if not kept:
                 continue  # a file of knocks only
-            if len(kept) == len(names) and not any(n in plan for n in names):
-                placed.append(place_file(kha_dir / file, tmp / file, link))
-            else:
+            if len(kept) < len(names) or any(n in plan for n in names):  # knocks to drop or to fold in
                 with safe_open(kha_dir / file, framework="pt") as f:
                     metadata = f.metadata() or {"format": "pt"}
                     new = {}
@@ -148,6 +148,8 @@ def fold(
                             tensor = fold_checked(tensor, knock, rows, name, kha_dir)
                         new[name] = tensor
                 save_file(new, tmp / file, metadata=metadata)
+            else:
+                placed.append(place_file(kha_dir / file, tmp / file, link))
             weight_map.update(dict.fromkeys(kept, file))
         report_placement(placed)
         index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
@@ -160,7 +162,6 @@ def fold(
             copy_model_code(tmp)
         else:
             base = config.to_base_config()
-            heads = family_heads(config.base_model_type)  # a reward model or classifier keeps its head class
             models = (
                 MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
                 if config.is_multimodal

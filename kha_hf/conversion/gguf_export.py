@@ -34,8 +34,8 @@ from tqdm.auto import tqdm
 
 from ..checkpoint.knock_reader import KHACheckpoint, kha_config
 from ..checkpoint.knock_tensors import KNOCK_KEY
-from ..checkpoint.output import atomic_output_file
-from ..checkpoint.paths import check_file_destination, check_free_space, check_place, check_source_links
+from ..checkpoint.output import atomic_output_file, check_free_space
+from ..checkpoint.paths import check_file_destination, check_place, check_source_links
 from ..checkpoint.reader import Checkpoint, open_checkpoint
 from ..common.errors import KHAError
 from ..common.version import __version__
@@ -152,10 +152,10 @@ def export_gguf(
         if config.nonlinear_targets:
             raise KHAError(mlp_refusal(config.nonlinear_targets))
         linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
-        base, model_type = config.to_base_config(), config.base_model_type
+        base, model_type = checkpoint.base_config, config.base_model_type
     else:
         config, linear = None, []
-        base, model_type = checkpoint.model_config, checkpoint.model_type
+        base, model_type = checkpoint.base_config, checkpoint.model_type
     family = FAMILIES.get(model_type)
     if family is None:
         raise KHAError(
@@ -279,7 +279,7 @@ def check_checkpoint_tensors(checkpoint: Checkpoint) -> None:
     the set exact."""
     expected = checkpoint.shapes or {}
     given = {name for name in checkpoint.tensors if not KNOCK_KEY.match(name)}
-    if getattr(checkpoint.model_config, "tie_word_embeddings", False):
+    if getattr(checkpoint.base_config, "tie_word_embeddings", False):
         given.discard(
             "lm_head.weight"
         )  # equal to the embeddings (checked when opened): the tied output llama.cpp builds

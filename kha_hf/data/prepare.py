@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.output import atomic_output_dir
-from ..checkpoint.paths import check_free_space, check_run_destination
+from ..checkpoint.output import atomic_output_dir, check_free_space
+from ..checkpoint.paths import check_run_destination
 from ..common.errors import KHAError
 from ..common.version import __version__
 from .corpus import FORMAT, MANIFEST, SPLITS, TOKENIZER_DIR, TOKENS, VERSION

