@@ -38,17 +38,15 @@ def tokenizer_fingerprint(tokenizer, name: str | None = None) -> dict:
     }
 
 
-# the hashed fields, in words; the others are shown as their two values
-HASHED = {
-    "vocab_sha256": "another vocabulary",
-    "added_tokens_sha256": "other added tokens",
-    "probe_sha256": "another encoding of the same text",
-}
-
-
 def fingerprint_difference(recorded: dict, actual: dict) -> str | None:
     """The first field in which two fingerprints differ, in words, or None when they agree (the name aside)."""
     for key in ("size", "vocab_sha256", "special_token_ids", "added_tokens_sha256", "leading_bos", "probe_sha256"):
         if recorded.get(key) != actual.get(key):
-            return HASHED.get(key) or f"{key.replace('_', ' ')} {recorded.get(key)} against {actual.get(key)}"
+            if key in ("size", "special_token_ids", "leading_bos"):
+                return f"{key.replace('_', ' ')} {recorded.get(key)} against {actual.get(key)}"
+            return {
+                "vocab_sha256": "another vocabulary",
+                "added_tokens_sha256": "other added tokens",
+                "probe_sha256": "another encoding of the same text",
+            }[key]
     return None
