@@ -38,8 +38,7 @@ def hub_id(text) -> str | None:
     if not isinstance(text, str):
         return None
     text = text.strip()
-    match = HUB_URL.match(text)
-    if match:
+    if match := HUB_URL.match(text):
         return match.group(1)
     if HUB_ID.match(text) and not Path(text).expanduser().exists() and not text.endswith(".gguf"):
         return text
@@ -91,9 +90,7 @@ def _read_gguf(path: Path, source: SourceCard) -> None:
         source.metadata["license"] = value("general.license")
     if value("general.languages"):
         source.metadata["language"] = list(value("general.languages"))
-    datasets = [value(f"general.datasets.{i}.repo_url") for i in range(8)]
-    datasets = [d for d in (hub_id(x) for x in datasets if x) if d]
-    if datasets:
+    if datasets := [d for i in range(8) if (d := hub_id(value(f"general.datasets.{i}.repo_url")))]:
         source.metadata["datasets"] = datasets
     for key in (
         "general.source.huggingface.repository",
@@ -101,8 +98,7 @@ def _read_gguf(path: Path, source: SourceCard) -> None:
         "general.source.url",
         "general.base_model.0.repo_url",
     ):
-        found = hub_id(value(key))
-        if found:
+        if found := hub_id(value(key)):
             source.base_model = found
             break
 

@@ -13,10 +13,8 @@ d_i = candidate_i − baseline_i, not two independent standard errors.
   permutation test (scipy, in batches so memory stays bounded whatever n). The two can disagree near 0.05.
 - Scores that are NaN or infinite are excluded, and counted in `excluded`; fewer than two remaining documents, or
   differences without any spread, give no interval and no p (None), never a confident number.
-- `seed_interval`: mean of per-seed paired differences, 95 % t-interval over seeds (None for one seed or no spread);
-  `two_level_bootstrap`: an interval that combines the spread between seeds with the sampling error of the
-  evaluation blocks, by resampling seeds and, within each, blocks.
-- `holm`: Holm's step-down adjustment of a family of p-values (statsmodels).
+- `seed_interval` and `two_level_bootstrap`: intervals over the seeds of A/B runs; `holm`: Holm's step-down
+  adjustment of a family of p-values (statsmodels).
 """
 
 from __future__ import annotations
@@ -97,35 +95,23 @@ def paired_difference(baseline: Sequence[float], candidate: Sequence[float]) -> 
     d = c - b
     n = int(len(d))
     discordant = int(np.count_nonzero(d))
-    result = {"n": n, "excluded": excluded, "discordant": discordant}
     mean, se, interval = _t_interval(d)
+
+    def result(delta, stderr, ci95, p_value, test: str, **counts) -> dict:
+        common = {"n": n, "excluded": excluded, "discordant": discordant}
+        return {**common, "delta": delta, "stderr": stderr, "ci95": ci95, "p_value": p_value, **counts, "test": test}
+
     if n < 2:
-        return {**result, "delta": mean, "stderr": None, "ci95": None, "p_value": None, "test": "too few documents"}
+        return result(mean, None, None, None, "too few documents")
     if discordant == 0:
-        return {**result, "delta": 0.0, "stderr": 0.0, "ci95": None, "p_value": 1.0, "test": "identical"}
+        return result(0.0, 0.0, None, 1.0, "identical")
     if is_binary(b, c):
         wins, losses = int(np.count_nonzero(d > 0)), int(np.count_nonzero(d < 0))
         delta, interval, p = exact_paired_binary(wins, losses, n)
-        return {
-            **result,
-            "delta": delta,
-            "stderr": se,
-            "ci95": interval,
-            "p_value": p,
-            "wins": wins,
-            "losses": losses,
-            "test": "exact McNemar",
-        }
+        return result(delta, se, interval, p, "exact McNemar", wins=wins, losses=losses)
     if interval is None:  # every difference the same: no spread to judge it by
-        return {**result, "delta": mean, "stderr": se, "ci95": None, "p_value": None, "test": "no spread"}
-    return {
-        **result,
-        "delta": mean,
-        "stderr": se,
-        "ci95": interval,
-        "p_value": min(1.0, _permutation_p(d)),
-        "test": "paired permutation",
-    }
+        return result(mean, se, None, None, "no spread")
+    return result(mean, se, interval, min(1.0, _permutation_p(d)), "paired permutation")
 
 
 def seed_interval(differences: Sequence[float]) -> dict:
@@ -146,37 +132,27 @@ def two_level_bootstrap(per_seed_block_deltas: Sequence[Sequence[float]], seed: 
     """Mean paired difference over seeds and evaluation blocks (each seed a list of per-block differences), with a
     95 % percentile interval from resampling seeds, then blocks within each resampled seed; None with one seed."""
     deltas = np.asarray(per_seed_block_deltas, dtype=np.float64)  # (seeds, blocks)
-    mean = float(deltas.mean())
     n_seeds, n_blocks = deltas.shape
+    mean = float(deltas.mean())
+    result = {"delta_mean": mean, "ci95": None, "excludes_zero": None, "n_seeds": n_seeds, "n_blocks": n_blocks}
     if n_seeds < 2 or n_blocks < 2:
-        return {"delta_mean": mean, "ci95": None, "excludes_zero": None, "n_seeds": n_seeds, "n_blocks": n_blocks}
+        return result
     rng = np.random.default_rng(seed)
     means = np.empty(BOOTSTRAP)
     for i in range(BOOTSTRAP):
         seeds = rng.integers(0, n_seeds, n_seeds)
         blocks = rng.integers(0, n_blocks, (n_seeds, n_blocks))
         means[i] = deltas[seeds[:, None], blocks].mean()
-    low, high = np.percentile(means, [2.5, 97.5])
-    interval = [float(low), float(high)]
-    if interval[0] == interval[1]:
-        return {"delta_mean": mean, "ci95": None, "excludes_zero": None, "n_seeds": n_seeds, "n_blocks": n_blocks}
-    return {
-        "delta_mean": mean,
-        "ci95": interval,
-        "excludes_zero": bool(interval[0] > 0 or interval[1] < 0),
-        "n_seeds": n_seeds,
-        "n_blocks": n_blocks,
-    }
+    low, high = (float(v) for v in np.percentile(means, [2.5, 97.5]))
+    if low == high:
+        return result
+    return {**result, "ci95": [low, high], "excludes_zero": bool(low > 0 or high < 0)}
 
 
 def holm(p_values: Sequence[float | None]) -> list[float | None]:
     """Holm-adjusted p-values (None stays None: no test)."""
     from statsmodels.stats.multitest import multipletests
 
-    present = [i for i, p in enumerate(p_values) if p is not None]
-    adjusted: list[float | None] = [None] * len(p_values)
-    if present:
-        corrected = multipletests([p_values[i] for i in present], method="holm")[1]
-        for i, value in zip(present, corrected, strict=True):
-            adjusted[i] = float(value)
-    return adjusted
+    present = [p for p in p_values if p is not None]
+    corrected = iter(multipletests(present, method="holm")[1] if present else ())
+    return [None if p is None else float(next(corrected)) for p in p_values]

@@ -21,6 +21,7 @@ is not the process's memory).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -65,8 +66,7 @@ class PreparedCorpus:
     def check_tokenizer(self, tokenizer, what: str = "the model's tokenizer") -> None:
         """One-line refusal when TOKENIZER is not the one that prepared the corpus."""
         recorded = self.manifest["tokenizer"]
-        difference = fingerprint_difference(recorded, tokenizer_fingerprint(tokenizer))
-        if difference:
+        if difference := fingerprint_difference(recorded, tokenizer_fingerprint(tokenizer)):
             raise KHAError(
                 f"{self.folder} was prepared with another tokenizer than {what} ({difference}; prepared with "
                 f"{recorded.get('name')!r}): prepare it again with kha tokenize --tokenizer naming the model"
@@ -226,7 +226,5 @@ class TokenBlockFile(Dataset):
 
     def __del__(self) -> None:
         if self._fd is not None and self._pid == os.getpid():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._fd)
-            except OSError:
-                pass

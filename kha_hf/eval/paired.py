@@ -51,8 +51,7 @@ def pair(baseline: dict, candidate: dict, key: tuple[str, str]) -> tuple[list, l
             f"{key[0]} {key[1]}: the two models were scored on different documents ({len(baseline)} and "
             f"{len(candidate)} scored, {len(common)} in common); rerun both with the same settings"
         )
-    differ = [k for k in common if baseline[k][1] != candidate[k][1]]
-    if differ:
+    if differ := [k for k in common if baseline[k][1] != candidate[k][1]]:
         raise KHAError(
             f"{key[0]} {key[1]}: {len(differ)} of {len(common)} document ids hold different documents in the two "
             f"runs (lm-eval doc_hash differs, e.g. {differ[0][0]} doc {differ[0][1]}): another dataset revision or "
@@ -118,9 +117,7 @@ def per_document_records(baseline, candidate) -> list[dict]:
 
 
 def write_per_document(path: Path, records: list[dict]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
+    path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
 
 
 def recompute(folder: str | Path) -> dict:
@@ -226,9 +223,7 @@ def format_delta(row: dict) -> tuple[str, str, str]:
     cell = f"{paired['delta']:+.4f} " + (f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "[–]")
     if row.get("paired_unit"):
         cell += " log-lik"
-    holm_p = paired.get("p_holm")
-    mark = " ✓" if row.get("significant") else ""
-    return cell, _p(paired["p_value"]), _p(holm_p) + mark
+    return cell, _p(paired["p_value"]), _p(paired.get("p_holm")) + (" ✓" if row.get("significant") else "")
 
 
 LEGEND = (

@@ -31,10 +31,9 @@ EXPECTED = (
 LOGGERS = ("lm_eval.models.huggingface", "lm_eval.api.task")
 
 
-class _DropExpected(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(text in message for text in EXPECTED)
+def _not_expected(record: logging.LogRecord) -> bool:
+    """A logging filter: False (drop) for the EXPECTED messages."""
+    return not any(text in record.getMessage() for text in EXPECTED)
 
 
 def _git_commit_hash_quietly() -> str | None:
@@ -54,7 +53,7 @@ def quiet_lm_eval() -> Iterator[None]:
     """Within the block, drop only the EXPECTED messages from lm-eval's loggers and git's error line."""
     import lm_eval.evaluator
 
-    drop = _DropExpected()
+    drop = _not_expected
     loggers = [logging.getLogger(name) for name in LOGGERS]
     for logger in loggers:
         logger.addFilter(drop)

@@ -25,7 +25,6 @@ SUITES: dict[str, list[str]] = {
 # Paper benchmarks outside `paper`: CMMLU (lm-eval: cmmlu), C-Eval (ceval-valid) and AGIEval (agieval) are
 # Chinese or mixed; HumanEval / MBPP (humaneval, mbpp) run model-written code and need lm-eval's
 # --confirm_run_unsafe_code; CMATH has no lm-eval task.
-PAPER_WITHOUT_LM_EVAL_TASK = ("CMATH",)
 
 
 def resolve_tasks(tasks: list[str] | None, suite: str | None) -> list[str]:

