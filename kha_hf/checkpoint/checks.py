@@ -91,6 +91,9 @@ def check_config_values(config: dict, where: str) -> None:
         value = config.get(name)
         if value is not None and (not isinstance(value, str) or value not in ACT2FN):
             raise KHAError(f"{where}: {name} {value!r} is not an activation transformers knows (e.g. silu, gelu)")
+    for name, value in config.items():  # a dropout probability past [0, 1] is a traceback deep in the forward
+        if name.endswith("dropout") and _number(value) and not 0 <= value <= 1:
+            raise KHAError(f"{where}: {name} {value!r} is not a probability between 0 and 1")
     _check_rope(config, where)
     _check_layer_types(config, where)
 
@@ -497,17 +500,25 @@ def layer_prefix(tensor_names, config: KHAConfig) -> str:
 def check_weights(folder: Path, config: dict, tensors: dict[str, TensorInfo], built, causal_lm: bool | str) -> tuple:
     """`checks.py`'s rules on CONFIG and TENSORS: (the config object built, the model's tensor shapes, the text
     decoder's layer prefix, the stock config of the causal LM) of a family kha knows; (BUILT, None, ...) for another
-    architecture, whose code
-    (transformers' or its own) checks its own. A KHA config built by the tool (BUILT) also places the knocks: the
-    text decoder's layers are found, and a KHA checkpoint holds exactly the knock tensors its config describes.
-    CAUSAL_LM: a task head is refused first (a string: why, in the tool's words)."""
+    architecture, whose code (transformers' or its own) checks its own. A KHA config (BUILT by the tool, or a KHA
+    checkpoint's own) also places the knocks: the text decoder's layers are found, and a KHA checkpoint holds exactly
+    the knock tensors its config describes. CAUSAL_LM: a task head is refused first (a string: why, in the tool's
+    words)."""
     where = str(folder / "config.json")
     if causal_lm:  # a string: the tool's own words for it
         why = causal_lm if isinstance(causal_lm, str) else NOT_A_LANGUAGE_MODEL
         refuse_task_head(folder, task_head(config, tensors, where), why)
     if not tensors:  # a config without weights (a tool that needs them refuses: `Checkpoint.weights`)
         return built, None, None, None
-    kha, prefix = config.get("model_type") == "kha", None
+    kha, model_type = config.get("model_type") == "kha", family_type(config)
+    multimodal = multimodal_text_type(model_type) is not None
+    if built is None and (model_type in FAMILIES or multimodal):
+        fields = {k: v for k, v in config.items() if k != "model_type"}
+        try:
+            built = KHAConfig(**fields) if kha else base_config_class(model_type)(**fields)
+        except Exception as err:  # the family's config class rejects what it cannot use, in its own words
+            raise KHAError(f"{where}: {str(err).strip().splitlines()[0]}") from err
+    prefix = None
     if isinstance(built, KHAConfig):
         try:
             prefix = layer_prefix(tensors, built)
@@ -519,16 +530,8 @@ def check_weights(folder: Path, config: dict, tensors: dict[str, TensorInfo], bu
         check_knock_tensors(built, tensors, prefix, folder)
     head = next((name for name in architectures_of(config, where) if name.endswith(HEAD_SUFFIXES)), None)
     check_head_weights(config, kha_head_name(head) if head else "KHAForCausalLM", tensors, where)
-    model_type = family_type(config)
-    multimodal = multimodal_text_type(model_type) is not None
     if model_type not in FAMILIES and not multimodal:
         return built, None, prefix, None
-    if built is None:
-        fields = {k: v for k, v in config.items() if k != "model_type"}
-        try:
-            built = KHAConfig(**fields) if kha else base_config_class(model_type)(**fields)
-        except Exception as err:  # the family's config class rejects what it cannot use, in its own words
-            raise KHAError(f"{where}: {str(err).strip().splitlines()[0]}") from err
     if multimodal:
         if prefix is not None:  # the text decoder against its text_config: the knocks split its projections
             text, text_where = built.knock_config, f"{where} (text_config)"
@@ -541,6 +544,13 @@ def check_weights(folder: Path, config: dict, tensors: dict[str, TensorInfo], bu
     base = built.to_base_config() if built.model_type == "kha" else built
     shapes = model_tensor_shapes(base, where)
     check_tensor_shapes(shapes, tensors, where)
+    # every tensor the model has is stored: transformers would fill a missing one at random (a task head's body
+    # has no lm_head: its head was checked above). Only where the files name the model's own tensors: transformers
+    # renames and fuses some on load (5.x: a MoE's per-expert weights into `experts.gate_up_proj`)
+    names = {name for name in tensors if not KNOCK_KEY.match(name)}
+    missing = sorted(set(shapes) - names - ({"lm_head.weight"} if head else set()))
+    if missing and names <= set(shapes) | {"lm_head.weight"}:
+        raise KHAError(f"{where} does not describe the weights: {len(missing)} tensors missing {missing[:2]}")
     check_tied_output(base, tensors, folder, where)
     return built, shapes, prefix, base
 
@@ -556,3 +566,7 @@ def refuse_task_head(folder: Path, head: str | None, why: str = NOT_A_LANGUAGE_M
     `FOLDER is a HEAD, WHY`."""
     if head is not None:
         raise KHAError(f"{folder} is a {head}, {why}")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -200,6 +200,8 @@ def check_base_config(base_config: dict, folder: Path) -> None:
     """`open_checkpoint`'s ACCEPT for `kha convert`: a base (not KHA) model of a family KHA knows, with a head KHA
     has a class for, and the fields the conversion reads."""
     model_type = base_config.get("model_type")
+    if not isinstance(model_type, str):
+        return  # refused in one line by the config's checks, which run next (`checks.check_config_values`)
     if model_type == KHAConfig.model_type:
         raise KHAError(f"{folder} is already a KHA checkpoint (model_type 'kha')")
     try:
