@@ -84,10 +84,6 @@ class Checkpoint:
     base_config: object = None  # the stock config of the causal LM it describes (a KHA config's `to_base_config()`)
 
     @property
-    def has_weights(self) -> bool:
-        return bool(self.tensors)
-
-    @property
     def where(self) -> str:
         """config.json's path, as refusals name it."""
         return str(self.folder / CONFIG_FILE)
