@@ -108,7 +108,7 @@ def _seed():
 
 @pytest.fixture(scope="session")
 def gemma3_linear_kha(tmp_path_factory):
-    """Gemma 3 270M (the real GGUF from PyPI, 262k vocabulary) converted once per test session to linear_qkv with
+    """Gemma 3 270M (the real GGUF from PyPI, 262k vocabulary) converted once per test run to linear_qkv with
     --verify; returns (folder, what verify printed). Reading this GGUF takes about a minute: tests that need another
     preset derive it from this folder (streaming), never from the GGUF again."""
     import contextlib
@@ -116,9 +116,13 @@ def gemma3_linear_kha(tmp_path_factory):
 
     from kha_hf.common.assets import gemma3_gguf
     from kha_hf.conversion import convert
+    from tests.helpers import made_once
 
-    out = tmp_path_factory.mktemp("gemma3") / "linear_qkv"
-    report = io.StringIO()
-    with contextlib.redirect_stdout(report):
-        convert(gemma3_gguf(), out, knock="linear_qkv", verify=True, progress=False)
-    return out, report.getvalue()
+    def make(root):
+        report = io.StringIO()
+        with contextlib.redirect_stdout(report):
+            convert(gemma3_gguf(), root / "linear_qkv", knock="linear_qkv", verify=True, progress=False)
+        (root / "verify.txt").write_text(report.getvalue())
+
+    root = made_once(tmp_path_factory, "gemma3", make)
+    return root / "linear_qkv", (root / "verify.txt").read_text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -303,3 +304,32 @@ def run_at_work_in(folder):
         yield folder
     finally:
         os.close(fd)
+
+
+def module_folder(request, tmp_path_factory, name: str) -> Path:
+    """A new folder under pytest's base folder, removed when the fixture asking (REQUEST) is torn down. pytest keeps
+    what tmp_path_factory makes until the session ends, and the real checkpoints module fixtures write (0.5 to 1.1 GB
+    each) added up to about 11 GB: a CI run ran out of disk. Fixtures that write real checkpoints use this."""
+    folder = tmp_path_factory.mktemp(name)
+    request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
+    return folder
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """The folder NAME, made by MAKE(folder) once per test run and shared by pytest-xdist's workers, which would each
+    make their own (a real checkpoint is 0.5 to 1.1 GB and a minute's work). The workers' base folders share a
+    parent: a file lock there lets the first worker make it while the others wait. A folder a failed MAKE left is
+    made anew by the next worker that asks."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder, made = root / name, root / f"{name}.made"
+    with FileLock(str(root / f"{name}.lock")):
+        if not made.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            made.touch()
+    return folder

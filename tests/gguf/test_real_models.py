@@ -25,6 +25,7 @@ from kha_hf import KHAForCausalLM
 from kha_hf.checkpoint.knock_tensors import KNOCK_KEY
 from kha_hf.checkpoint.safetensors_index import read_checkpoint_index
 from tests.gguf.conftest import run_llamacpp
+from tests.helpers import module_folder
 
 pytestmark = pytest.mark.slow
 
@@ -97,13 +98,13 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(request, tmp_path_factory):
     """SmolLM2 (real GGUF) -> KHA linear_qkv (identity, = the base) and a copy with knocks perturbed off the identity;
     the folded model exported as f32 (peak RSS measured) and q8_0, the base as q8_0."""
     from kha_hf.common.assets import smollm2_gguf
     from kha_hf.conversion import convert
 
-    root = tmp_path_factory.mktemp("smollm2-gguf")
+    root = module_folder(request, tmp_path_factory, "smollm2-gguf")
     convert(smollm2_gguf(), root / "base", knock="linear_qkv", progress=False)  # identity knocks: the base model
     perturbed_copy(root / "base", root / "trained", scale=0.05)
     peak, printed = export_measured(root / "trained", root / "folded-f32.gguf", "--outtype", "f32")
@@ -185,9 +186,9 @@ def test_smollm2_export_streams(smollm2):
 
 
 @pytest.fixture(scope="module")
-def gemma3(gemma3_linear_kha, tmp_path_factory):
+def gemma3(gemma3_linear_kha, request, tmp_path_factory):
     folder, _ = gemma3_linear_kha
-    root = tmp_path_factory.mktemp("gemma3-gguf")
+    root = module_folder(request, tmp_path_factory, "gemma3-gguf")
     perturbed_copy(folder, root / "trained", scale=0.05)
     peak, printed = export_measured(root / "trained", root / "folded.gguf", "--outtype", "f32")
     return root, peak, printed

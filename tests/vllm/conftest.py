@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import side_environment
+from tests.helpers import made_once, side_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -74,13 +74,12 @@ def run_worker(
 
 @pytest.fixture(scope="session")
 def smollm2_plain(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct as a plain Llama safetensors checkpoint (its GGUF dequantised once per session)."""
+    """SmolLM2-135M-Instruct as a plain Llama safetensors checkpoint (its GGUF dequantised once per test run)."""
     from kha_hf.common.assets import smollm2_gguf
     from kha_hf.conversion.source import dequantize_gguf
 
-    folder = tmp_path_factory.mktemp("smollm2") / "plain"
-    dequantize_gguf(smollm2_gguf(), folder)
-    return folder
+    root = made_once(tmp_path_factory, "smollm2", lambda folder: dequantize_gguf(smollm2_gguf(), folder / "plain"))
+    return root / "plain"
 
 
 PLUGIN_CHECK = """

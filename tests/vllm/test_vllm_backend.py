@@ -16,13 +16,15 @@ models >= 6.1e-5 / 4.8e-7), 13 for Gemma 3 (6.7e-2 / 5.0e-3). A failure prints b
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kha_hf import KHAForCausalLM
 from kha_hf.cli import main
-from tests.helpers import randomize_knocks, save_tiny_tokenizer, tiny_config
+from tests.helpers import module_folder, randomize_knocks, save_tiny_tokenizer, tiny_config
 from tests.vllm.conftest import run_worker
 
 pytestmark = pytest.mark.slow
@@ -76,10 +78,10 @@ def perturbed_copy(folder, out, scale: float = PERTURBATION["mlp_v"]) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, gemma3_linear_kha, smollm2_plain):
+def checkpoints(request, tmp_path_factory, gemma3_linear_kha, smollm2_plain):
     """name -> (folder, prompt ids, expected KHA tokens, stock-model tokens or None for identity knocks, expected
     log-probabilities of those tokens, smallest top-1 gap on the path)."""
-    root = tmp_path_factory.mktemp("vllm")
+    root = module_folder(request, tmp_path_factory, "vllm")
     folders = {}
     # SmolLM2 (real Llama): a plain checkpoint, its conversions by `kha convert`, perturbed copies by save_pretrained
     for preset in ("mlp_v", "linear_qkv"):
@@ -103,6 +105,7 @@ def checkpoints(tmp_path_factory, gemma3_linear_kha, smollm2_plain):
     assert main(["fold", str(gemma3_linear_kha[0]), str(root / "gemma3")]) == 0
     assert main(["convert", str(root / "gemma3"), str(root / "gemma3-mlp_v"), "--knock", "mlp_v"]) == 0
     perturbed_copy(root / "gemma3-mlp_v", root / "gemma3-mlp_v-perturbed")
+    shutil.rmtree(root / "gemma3-mlp_v")  # only its perturbed copy is a case: 1.1 GB of disk back
     folders["gemma3-mlp_v-perturbed"] = (root / "gemma3-mlp_v-perturbed", root / "gemma3")
 
     cases = {}

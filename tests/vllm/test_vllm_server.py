@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kha_hf.cli import main
-from tests.helpers import free_port
+from tests.helpers import free_port, module_folder
 from tests.vllm.conftest import WITHOUT_PLUGIN
 from tests.vllm.test_vllm_backend import perturbed_copy
 
@@ -32,8 +32,8 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def kha_folder(smollm2_plain, tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
+def kha_folder(smollm2_plain, request, tmp_path_factory):
+    root = module_folder(request, tmp_path_factory, "serve")
     assert main(["convert", str(smollm2_plain), str(root / "kha"), "--knock", "mlp_v"]) == 0
     perturbed_copy(root / "kha", root / "kha-perturbed")
     return root / "kha-perturbed"
