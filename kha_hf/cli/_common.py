@@ -158,3 +158,19 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if "%(default)" in text or not shown or action.default in (None, False, argparse.SUPPRESS):
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def call_with(func, args, *positional: str, **renamed: str):
+    """FUNC(the options POSITIONAL, in order, then every other option of the parsed ARGS by name): a CLI module's one
+    call into its part. RENAMED maps a parameter to the option that fills it where their names differ. An option
+    FUNC has no parameter for is a TypeError here, so a renamed parameter never drops an option silently."""
+    import inspect
+
+    options = {name: value for name, value in vars(args).items() if name not in ("func", "command")}
+    for parameter, option in renamed.items():
+        options[parameter] = options.pop(option)
+    values = [options.pop(name) for name in positional]
+    unknown = sorted(set(options) - set(inspect.signature(func).parameters))
+    if unknown:
+        raise TypeError(f"{func.__qualname__} has no parameter for the option(s) {', '.join(unknown)}")
+    return func(*values, **options)

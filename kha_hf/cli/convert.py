@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
-from ._common import HelpFormatter, parse_layers
+from ._common import HelpFormatter, call_with, parse_layers
 
 
 def knock_preset(text: str) -> str:
@@ -64,20 +64,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..conversion import convert
 
-    result = convert(
-        args.src,
-        args.dst,
-        knock=args.knock,
-        knock_layers=args.knock_layers,
-        link=args.link,
-        dtype=args.dtype,
-        verify=args.verify,
-        push_to_hub=args.push_to_hub,
-        private=args.private,
-        overwrite=args.overwrite,
-        revision=args.revision,
-        trained_knocks=args.adapter,
-    )
+    result = call_with(convert, args, "src", "dst", trained_knocks="adapter")
     preset = result.config.knock_preset or "custom"
     origin = f", trained, from {args.adapter}" if args.adapter else ""
     print(f"wrote {result.output}: {len(result.knock_tensors)} knock tensors ({preset}{origin})")

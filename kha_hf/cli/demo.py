@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
-from ._common import MAX_STEPS, HelpFormatter, bounded_int, positive_int
+from ._common import MAX_STEPS, HelpFormatter, bounded_int, call_with, positive_int
 
 
 def add_parser(sub) -> None:
@@ -35,13 +35,5 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..workflows.demo import run_demo
 
-    run_demo(
-        args.model,
-        output=args.output,
-        knock=args.knock,
-        train_steps=args.train_steps,
-        limit=args.limit,
-        overwrite=args.overwrite,
-        trust_remote_code=args.trust_remote_code,
-    )
+    call_with(run_demo, args, "model")
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter, bounded_int, positive_float, positive_int
+from ._common import HelpFormatter, bounded_int, call_with, positive_float, positive_int
 
 
 def add_parser(sub) -> None:
@@ -47,14 +47,5 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..data.prepare import tokenize_corpus
 
-    tokenize_corpus(
-        args.sources,
-        args.tokenizer,
-        args.output,
-        workers=args.workers,
-        eval_fraction=args.eval_fraction,
-        max_eval_tokens=args.max_eval_tokens,
-        hub_split=args.split,
-        overwrite=args.overwrite,
-    )
+    call_with(tokenize_corpus, args, "sources", "tokenizer", "output", hub_split="split")
     return 0

@@ -9,6 +9,7 @@ from ._common import (
     MAX_STEPS,
     HelpFormatter,
     bounded_int,
+    call_with,
     non_negative_float,
     positive_float,
     seed_int,
@@ -106,30 +107,5 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..training.train import train
 
-    train(
-        args.model,
-        args.output,
-        data=args.data,
-        mode=args.mode,
-        max_steps=args.max_steps,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        lr=args.lr,
-        knock_lr=args.knock_lr,
-        bf16=args.bf16,
-        gradient_checkpointing=args.gradient_checkpointing,
-        resume=args.resume,
-        save_steps=args.save_steps,
-        logging_steps=args.logging_steps,
-        seed=args.seed,
-        report_to=args.report_to,
-        lora_r=args.lora_r,
-        max_eval_blocks=args.max_eval_blocks,
-        tokenizer=args.tokenizer,
-        overwrite=args.overwrite,
-        knock=args.knock,
-        logit_every=args.logit_every,
-        spike_margin=args.spike_margin,
-    )
+    call_with(train, args, "model", "output")
     return 0

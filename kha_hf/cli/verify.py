@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter
+from ._common import HelpFormatter, call_with
 
 
 def add_parser(sub) -> None:
@@ -28,12 +28,5 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..conversion import verify_conversion
 
-    verify_conversion(
-        args.base,
-        args.kha_dir,
-        device=args.device,
-        dtype=args.dtype,
-        tokenizer=args.tokenizer,
-        trust_remote_code=args.trust_remote_code,
-    )
+    call_with(verify_conversion, args, "base", "kha_dir")
     return 0

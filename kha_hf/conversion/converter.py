@@ -9,6 +9,7 @@ they are dequantised through transformers first (see `source.dequantize_gguf`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -22,17 +23,17 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..checkpoint.adapter_knocks import TrainedKnocks, adapter_kha_config, adapter_knocks
-from ..checkpoint.checks import (
-    architectures_of,
-)
+from ..checkpoint.checks import architectures_of
 from ..checkpoint.knock_tensors import initial_knock_tensors
 from ..checkpoint.loading import (
+    DTYPES,
     PROCESSOR_FILES,
     TOKENIZER_FILES,
     check_hub_repo_id,
     check_processor_bounds,
     check_processor_needs_no_code,
     check_tokenizer_needs_no_code,
+    torch_dtype,
 )
 from ..checkpoint.output import atomic_output_dir, carry_over_files, check_free_space, place_file, report_placement
 from ..checkpoint.paths import check_destination, check_source_links
@@ -66,7 +67,6 @@ FROM_ADAPTER = (
 )
 SINGLE_SHARD = "model-00001-of-00001.safetensors"
 REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -151,8 +151,8 @@ def convert(
             raise KHAError(control_refusal(f"--knock {knock} is the gate-only value knock", "kha convert"))
     except ValueError as err:
         raise KHAError(str(err)) from err
-    if dtype is not None and dtype not in DTYPES:
-        raise KHAError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    if dtype is not None:
+        torch_dtype(dtype)  # a name torch has, checked before any download
     read = [knocks_from.folder] if knocks_from is not None and knocks_from.folder is not None else []
     dst = check_destination(dst, [local_src, *read] if local_src.exists() else read, overwrite)  # before downloading
     source = resolve_source(src, revision=revision, token=token)
@@ -292,7 +292,8 @@ def _convert_folder(
     weight_map = {name: renamed.get(info.file, info.file) for name, info in tensors.items()}
     weight_map.update(dict.fromkeys(knocks, KNOCKS_FILE))
     total = sum(
-        _nbytes(info.shape, target_dtype if info.dtype.is_floating_point else info.dtype) for info in tensors.values()
+        math.prod(info.shape) * (target_dtype if info.dtype.is_floating_point else info.dtype).itemsize
+        for info in tensors.values()
     )
     total += sum(t.numel() * t.element_size() for t in knocks.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -318,13 +319,6 @@ def _convert_folder(
     (out / "README.md").write_text(kha_card(config, card, title, CONVERTED if knocks_from is None else FROM_ADAPTER))
     shard_names = [renamed.get(s, s) for s in shards]
     return ConversionResult(out, source.name, config, sorted(knocks), shard_names, missing)
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
 
 
 def _write_cast_shard(src: Path, dst: Path, dtype: torch.dtype) -> None:

@@ -68,17 +68,6 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def mlp_refusal(targets: list[str]) -> str:
-    """The one line that refuses a model whose TARGETS (q / k / v) carry an MLP knock."""
-    what = "/".join(TARGET_WORDS[t] for t in targets)
-    return (
-        f"{mlp_knocks_phrase(targets)} (KHA-MLP): llama.cpp has no {what}-MLP "
-        f"graph, and a non-linear knock cannot be folded into {'/'.join(f'{t}_proj' for t in targets)}, so no GGUF "
-        "file can compute this model; use a linear preset (--knock linear_v or linear_qkv) for a model that folds into "
-        "GGUF, or serve this one with `kha serve` or vLLM's Transformers backend"
-    )
-
-
 @dataclass
 class GGUFResult:
     output: Path
@@ -149,8 +138,14 @@ def export_gguf(
         config = kha.config
         if config.control_knocks:
             raise KHAError(control_refusal(f"{kha_dir}: {config.control_knocks}", "the GGUF export"))
-        if config.nonlinear_targets:
-            raise KHAError(mlp_refusal(config.nonlinear_targets))
+        mlps = config.nonlinear_targets
+        if mlps:
+            raise KHAError(
+                f"{mlp_knocks_phrase(mlps)} (KHA-MLP): llama.cpp has no {'/'.join(TARGET_WORDS[t] for t in mlps)}-MLP "
+                f"graph, and a non-linear knock cannot be folded into {'/'.join(f'{t}_proj' for t in mlps)}, so no "
+                "GGUF file can compute this model; use a linear preset (--knock linear_v or linear_qkv) for a model "
+                "that folds into GGUF, or serve this one with `kha serve` or vLLM's Transformers backend"
+            )
         linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
         base, model_type = checkpoint.base_config, config.base_model_type
     else:
