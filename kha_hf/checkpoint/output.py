@@ -173,9 +173,9 @@ def atomic_output_file(path: str | Path, overwrite: bool = False) -> Iterator[Pa
     try:
         with _signals_raise_interrupt():
             yield tmp
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp.chmod(0o666 & ~umask)
+            from ..modeling.modeling_kha import apply_umask
+
+            apply_umask(tmp.parent, tmp.name)  # mkstemp's 0600 -> the modes a plain `cp` gives
             check_file_destination(path, overwrite)  # it may have changed meanwhile
             if overwrite:
                 os.replace(tmp, path)
@@ -327,18 +327,13 @@ def check_adoptable(folder: Path, dst: Path) -> Path:
 def _locked(folder: Path) -> bool:
     """True when a run holds FOLDER's lock (`_lock`, held by the kernel for as long as the run lives, however it
     ends), or when that cannot be told (a file system without locks): such a folder is never removed or adopted."""
-    import fcntl
-
     try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
+        fd = _lock(folder, created=True)
+    except OSError:  # BlockingIOError: a run holds it; or the folder cannot be opened
         return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # BlockingIOError: a run holds it
+    if fd is None:
         return True
-    finally:
-        os.close(fd)  # closing releases a lock taken here
+    os.close(fd)  # closing releases the lock taken here
     return False
 
 
@@ -387,20 +382,27 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _signals_raise_interrupt() -> Iterator[None]:
+def _signal_handlers(signals: tuple[signal.Signals, ...], handler) -> Iterator[None]:
+    """HANDLER for SIGNALS while the block runs, then the previous ones (in the main thread only: Python sets
+    handlers nowhere else)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum, frame):
-        raise Terminated(f"received {signal.Signals(signum).name}")
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _signals_raise_interrupt():
+    """SIGTERM and SIGHUP unwind like Ctrl-C (`Terminated`), so temporary output is removed."""
+
+    def handler(signum, frame):
+        raise Terminated(f"received {signal.Signals(signum).name}")
+
+    return _signal_handlers((signal.SIGTERM, signal.SIGHUP), handler)
 
 
 @contextlib.contextmanager
@@ -408,18 +410,10 @@ def _signals_deferred() -> Iterator[list[int]]:
     """SIGINT, SIGTERM and SIGHUP are recorded, not acted on, around the commit (the swap and the old folder's
     removal): the run ends either before it (nothing changed) or after it (a success), never half-way."""
     received: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
+    with _signal_handlers(
+        (signal.SIGINT, signal.SIGTERM, signal.SIGHUP), lambda signum, frame: received.append(signum)
+    ):
         yield received
-        return
-    previous = {
-        sig: signal.signal(sig, lambda signum, frame: received.append(signum))
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    }
-    try:
-        yield received
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 # Linux renameat2 flags: fail if the target exists / swap two paths atomically.
