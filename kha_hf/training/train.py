@@ -90,6 +90,18 @@ def check_positions(config, seq_len: int) -> None:
         raise KHAError(f"--seq-len {seq_len} is past the model's {positions} positions (max_position_embeddings)")
 
 
+def check_token_ids(train_set, heldout_set, config) -> None:
+    """The tokenizer's ids in the blocks fit CONFIG's vocabulary: one past the embedding is an IndexError in the
+    first forward (a --tokenizer of another model)."""
+    vocab = config.get_text_config().vocab_size
+    largest = max(int(blocks.blocks.max()) for blocks in (train_set, heldout_set))
+    if isinstance(vocab, int) and largest >= vocab:
+        raise KHAError(
+            f"the tokenizer gives token id {largest}, past the model's vocabulary of {vocab}: train with the "
+            "model's own tokenizer (leave out --tokenizer, or name the one it was trained with)"
+        )
+
+
 def check_trainable_config(folder: Path):
     """A local MODEL must be a KHA checkpoint or a base checkpoint of a supported family; returns the opened,
     checked `Checkpoint`."""
@@ -232,6 +244,9 @@ def train(
     check_batches(len(train_set), batch_size, _world_size())  # 0 steps is an error, before the model is loaded
     # before the model: under DeepSpeed ZeRO-3 (accelerate launch) the arguments switch transformers to build it
     # partitioned across ranks (deepspeed.zero.Init), as from_pretrained and from_config then do
+    known_config = config if from_config else getattr(local_checkpoint, "model_config", None)
+    if corpus is None and known_config is not None:
+        check_token_ids(train_set, heldout_set, known_config)  # before the model loads: one line, nothing printed
     check_deepspeed_config()  # what accelerate hands this process: blocks that write elsewhere or end the run
     args = paper_training_arguments(
         output_dir,  # replaced by the run's working folder below
@@ -259,6 +274,8 @@ def train(
         check_positions(model.config, seq_len)
     if corpus is not None:
         check_vocabulary_fits(corpus, model.config.get_text_config().vocab_size, train_set, heldout_set)
+    elif known_config is None:  # a Hub id: its vocabulary is known once loaded
+        check_token_ids(train_set, heldout_set, model.config)
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
     check_lora_rank(model, lora_r, mode)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

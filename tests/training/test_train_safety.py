@@ -217,3 +217,22 @@ def test_demo_and_ab_refuse_protected_destinations(tmp_path, capsys, monkeypatch
     monkeypatch.chdir(tmp_path)
     err = one_line_error(capsys, [*command, "--output", "."], command[0])
     assert "current directory" in err
+
+
+def test_a_tokenizer_past_the_models_vocabulary_is_one_line(model_copy, corpus, tmp_path, capsys):
+    """A --tokenizer whose ids reach past the model's embedding (the tiny model has 512 rows) was an IndexError deep
+    in the first forward; it is refused in one line, before anything trains or is written."""
+    from kha_hf.training.data import read_documents
+    from kha_hf.training.tokenizer import train_bpe_tokenizer
+
+    data, _ = corpus
+    big = tmp_path / "big-tokenizer"
+    train_bpe_tokenizer(read_documents([str(data)]), vocab_size=2048).save_pretrained(big)
+    output = tmp_path / "out"
+    err = one_line_error(
+        capsys,
+        ["train", str(model_copy), "--output", str(output), "--data", str(data), "--tokenizer", str(big), *TRAIN],
+        "train",
+    )
+    assert "past the model's vocabulary of 512" in err and "--tokenizer" in err
+    assert not output.exists()
