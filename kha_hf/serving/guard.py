@@ -139,7 +139,7 @@ def allowed_host_headers(host: str | None, port: int | None) -> set[bytes] | Non
     return {name.encode() for name in allowed}
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed as itself, as the middleware object it is
 class ServeGuard:
     """ASGI middleware; `app` is transformers' FastAPI application. HOST, PORT: the address the server is bound to
     (its Host headers are checked on a loopback one, `allowed_host_headers`); None: any Host."""
