@@ -126,14 +126,8 @@ def arm_summary(runs: list[ArmRun]) -> dict:
     arms: dict[str, dict] = {}
     for run in runs:
         entry = arms.setdefault(run.arm, {"per_seed": []})
-        entry["per_seed"].append(
-            {
-                "seed": run.seed,
-                "train_loss": run.train_loss,
-                "heldout_loss": run.heldout_loss,
-                "heldout_before": run.heldout_before,
-            }
-        )
+        numbers = ("seed", "train_loss", "heldout_loss", "heldout_before")
+        entry["per_seed"].append({name: getattr(run, name) for name in numbers})
         if run.trainable_parameters is not None:
             entry["trainable_parameters"] = run.trainable_parameters
     for entry in arms.values():

@@ -13,12 +13,8 @@ from .arm import ArmRun
 
 
 def _largest(rows: list[dict], key: str) -> float | None:
-    values = []
-    for row in rows:
-        value = row.get(key)
-        values.extend(value if isinstance(value, list) else [value])
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    return max(values) if values else None
+    values = [row.get(key) if isinstance(row.get(key), list) else [row.get(key)] for row in rows]
+    return max((v for vs in values for v in vs if v is not None and math.isfinite(v)), default=None)
 
 
 def run_stability(run: ArmRun, margin: float = SPIKE_MARGIN) -> dict:

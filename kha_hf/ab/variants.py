@@ -62,4 +62,4 @@ def parse_variants(text: str | list[str]) -> list[Variant]:
     return variants
 
 
-PAPER_ABLATION = "linear_q,linear_k,linear_v,linear_qkv,mlp_q,mlp_k,mlp_v,mlp_qkv,gate_v,mlp_v_random"
+PAPER_ABLATION = ",".join(PAPER_DELTAS)  # every row of the paper's ablation table

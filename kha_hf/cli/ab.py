@@ -60,7 +60,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "base",
         nargs="?",
-        default=None,
         metavar="BASE_CONFIG_OR_PRESET",
         help="a preset, or a config file/folder (default: cpu-tiny); with --from, a preset sets steps, sequence "
         "length and batch size",

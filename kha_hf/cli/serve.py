@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from ._common import HelpFormatter, port_number, positive_float, positive_int
 
+# the options passed on by name: to `serve`, and to its `ServeLimits` (--render-memory is given in MiB)
+SERVE_OPTIONS = ("host", "port", "continuous_batching", "device", "dtype", "trust_remote_code", "ready_timeout")
+SERVE_OPTIONS += ("cb_num_blocks", "cb_max_batch_tokens")
+LIMITS = ("max_new_tokens", "request_timeout", "max_request_bytes", "read_timeout", "max_connections")
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -49,7 +54,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--cb-num-blocks",
         type=positive_int,
-        default=None,
         help="KV-cache blocks of 256 tokens for --continuous-batching (default: 64 on a CPU, where transformers "
         "would otherwise reserve most of the machine's RAM; on a GPU, sized from its free memory); a request's "
         "prompt and new tokens are cut to what the cache holds",
@@ -57,7 +61,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--cb-max-batch-tokens",
         type=positive_int,
-        default=None,
         help="tokens per forward pass for --continuous-batching; longer prompts are prefilled in chunks "
         "(default: 512 on a CPU; on a GPU, sized from its free memory)",
     )
@@ -103,24 +106,10 @@ def run(args) -> int:
     from ..serving.guard import ServeLimits
     from ..serving.server import serve
 
+    limits = {name: getattr(args, name) for name in LIMITS}
     serve(
         args.model,
-        host=args.host,
-        port=args.port,
-        continuous_batching=args.continuous_batching,
-        device=args.device,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-        ready_timeout=args.ready_timeout,
-        limits=ServeLimits(
-            max_new_tokens=args.max_new_tokens,
-            request_timeout=args.request_timeout,
-            max_request_bytes=args.max_request_bytes,
-            read_timeout=args.read_timeout,
-            max_connections=args.max_connections,
-            render_memory=args.render_memory << 20,
-        ),
-        cb_num_blocks=args.cb_num_blocks,
-        cb_max_batch_tokens=args.cb_max_batch_tokens,
+        limits=ServeLimits(**limits, render_memory=args.render_memory << 20),
+        **{name: getattr(args, name) for name in SERVE_OPTIONS},
     )
     return 0

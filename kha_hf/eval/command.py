@@ -12,6 +12,8 @@ RECOMPUTE_IGNORES: dict = dict.fromkeys(
     "baseline candidate adapter tasks suite limit num_fewshot batch_size device dtype output overwrite local_data "
     "perplexity seed trust_remote_code backend vllm_python vllm_args".split()
 )
+# A comparison takes exactly these options: `run_eval`'s parameters, two of them under another name.
+RUN_EVAL_NAMES = {"perplexity": "perplexity_file", "vllm_args": "vllm_model_args"}
 
 
 def run(args) -> int:
@@ -23,27 +25,7 @@ def run(args) -> int:
         return _recompute(args.recompute)
     if not args.candidate and not args.adapter:
         raise KHAError("--candidate is required (or --baseline with --adapter, or --recompute DIR)")
-    run_eval(
-        args.candidate,
-        baseline=args.baseline,
-        tasks=args.tasks,
-        suite=args.suite,
-        limit=args.limit,
-        num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size,
-        device=args.device,
-        dtype=args.dtype,
-        output=args.output,
-        local_data=args.local_data,
-        perplexity_file=args.perplexity,
-        seed=args.seed,
-        trust_remote_code=args.trust_remote_code,
-        overwrite=args.overwrite,
-        adapter=args.adapter,
-        backend=args.backend,
-        vllm_python=args.vllm_python,
-        vllm_model_args=args.vllm_args,
-    )
+    run_eval(**{RUN_EVAL_NAMES.get(dest, dest): getattr(args, dest) for dest in RECOMPUTE_IGNORES})
     return 0
 
 

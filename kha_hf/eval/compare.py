@@ -120,14 +120,8 @@ def evaluate_model(
     if vllm is not None:  # --backend vllm: lm-eval's vllm model in vLLM's environment
         from .vllm_lm import VLLMWorkerLM
 
-        model_args = dict(
-            pretrained=str(ref),
-            dtype=dtype,
-            batch_size=batch_size,
-            seed=seed,
-            trust_remote_code=trust_remote_code,
-            **vllm.model_args,
-        )
+        model_args = dict(pretrained=str(ref), dtype=dtype, batch_size=batch_size, seed=seed)
+        model_args.update(trust_remote_code=trust_remote_code, **vllm.model_args)
         print(f"[{label}] loading {ref} in vLLM ({vllm.python})", flush=True)
         with VLLMWorkerLM(vllm.python, model_args) as lm:
             versions = ", ".join(f"{k} {v}" for k, v in lm.info.get("versions", {}).items())
@@ -145,21 +139,9 @@ def evaluate_model(
         from ..peft.adapter_files import apply_knock_adapter
 
         model = apply_knock_adapter(model, adapter)
-    result = evaluate_loaded(
-        label,
-        f"{ref} + adapter {adapter}" if adapter else str(ref),
-        model,
-        tokenizer,
-        tasks,
-        local,
-        limit,
-        num_fewshot,
-        batch_size,
-        device,
-        seed,
-        task_manager,
-        prepared,
-    )
+    shown = f"{ref} + adapter {adapter}" if adapter else str(ref)
+    lm = hf_lm(model, tokenizer, device, batch_size)
+    result = run_lm_eval(label, shown, lm, tasks, local, limit, num_fewshot, seed, task_manager, prepared)
     if perplexity_file:
         result.perplexity = perplexity(model, tokenizer, perplexity_file, perplexity_metric, ref)
     return result
@@ -174,29 +156,18 @@ def lm_eval_tasks(tasks: list[str], local: bool, task_manager) -> tuple[list, di
     return list(tasks), {}
 
 
-def evaluate_loaded(
-    label: str,
-    ref: str,
-    model,
-    tokenizer,
-    tasks: list[str],
-    local: bool,
-    limit: int | None,
-    num_fewshot: int | None,
-    batch_size: int,
-    device: str,
-    seed: int,
-    task_manager,
-    prepared: tuple[list, dict] | None = None,
-) -> ModelResult:
-    """lm-eval on a model already in memory, with per-document scores kept for the paired comparison.
-
-    `prepared`: the output of `lm_eval_tasks` when the caller already built it."""
+def hf_lm(model, tokenizer, device: str, batch_size: int):
+    """lm-eval's HFLM around a model already in memory."""
     from lm_eval.models.huggingface import HFLM
 
     with quiet_lm_eval():
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", device=device, batch_size=batch_size)
-    return run_lm_eval(label, ref, lm, tasks, local, limit, num_fewshot, seed, task_manager, prepared)
+        return HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", device=device, batch_size=batch_size)
+
+
+def evaluate_loaded(label: str, ref: str, model, tokenizer, batch_size: int, device: str, **settings) -> ModelResult:
+    """lm-eval on a model already in memory, with per-document scores kept for the paired comparison; SETTINGS:
+    `run_lm_eval`'s (tasks, local, limit, num_fewshot, seed, task_manager)."""
+    return run_lm_eval(label, ref, hf_lm(model, tokenizer, device, batch_size), **settings)
 
 
 def run_lm_eval(
@@ -296,16 +267,9 @@ OWN_VLLM_ARGS = {
 # Arguments that would make vLLM score something other than the model the table names (lm-eval passes its extra
 # arguments over its own `pretrained`: `model=X` scored X as both models, found by the attack), or load more code
 # or weights than the model's own.
-MODEL_CHOOSING_VLLM_ARGS = (
-    "model",
-    "tokenizer",
-    "revision",
-    "tokenizer_revision",
-    "code_revision",
-    "lora_local_path",
-    "hf_overrides",
-    "hf_config_path",
-    "speculative_config",
+MODEL_CHOOSING_VLLM_ARGS = tuple(
+    "model tokenizer revision tokenizer_revision code_revision lora_local_path hf_overrides hf_config_path "
+    "speculative_config".split()
 )
 
 

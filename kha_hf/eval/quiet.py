@@ -53,10 +53,9 @@ def quiet_lm_eval() -> Iterator[None]:
     """Within the block, drop only the EXPECTED messages from lm-eval's loggers and git's error line."""
     import lm_eval.evaluator
 
-    drop = _not_expected
     loggers = [logging.getLogger(name) for name in LOGGERS]
     for logger in loggers:
-        logger.addFilter(drop)
+        logger.addFilter(_not_expected)
     original = lm_eval.evaluator.get_git_commit_hash  # restored on exit: nothing changes outside the block
     lm_eval.evaluator.get_git_commit_hash = _git_commit_hash_quietly
     try:
@@ -64,4 +63,4 @@ def quiet_lm_eval() -> Iterator[None]:
     finally:
         lm_eval.evaluator.get_git_commit_hash = original
         for logger in loggers:
-            logger.removeFilter(drop)
+            logger.removeFilter(_not_expected)

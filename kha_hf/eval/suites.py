@@ -6,19 +6,9 @@ from ..common.errors import KHAError
 
 SUITES: dict[str, list[str]] = {
     # English benchmarks of the paper that lm-eval provides (code tasks left out: they execute model output)
-    "paper": [
-        "mmlu",
-        "mmlu_pro",
-        "arc_easy",
-        "arc_challenge",
-        "hellaswag",
-        "piqa",
-        "commonsense_qa",
-        "race",
-        "gsm8k",
-        "minerva_math",
-        "gpqa_main_zeroshot",
-    ],
+    "paper": (
+        "mmlu mmlu_pro arc_easy arc_challenge hellaswag piqa commonsense_qa race gsm8k minerva_math gpqa_main_zeroshot"
+    ).split(),
     # a few cheap multiple-choice tasks (all have offline copies)
     "quick": ["arc_easy", "piqa", "copa", "winogrande"],
 }

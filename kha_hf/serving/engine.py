@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from transformers.cli.serving.model_manager import ModelLoader
+from transformers.cli.serving.utils import parse_model_id  # (repo or folder, revision, GGUF file) of a model id
 
 from ..checkpoint.loading import has_processor_files, is_multimodal_checkpoint
 from ..checkpoint.reader import read_config_dict
@@ -36,13 +37,6 @@ STOP_STRING_CACHE_ENTRIES = 2
 # `handlers.check_continuous_batching`): these values are never used for a sampling request's tokens. Sampling is on for
 # the whole batch; a greedy request is sampled from its top-1 token (transformers' CBGenerateRunner sends top_k=1).
 CB_CREATION_SAMPLING = {"do_sample": True, "temperature": 0.5, "top_p": 0.5}
-
-
-def parse_model_id(model_id: str) -> tuple[str, str | None, str | None]:
-    """(repo or folder, revision, GGUF file) of a model id, as transformers' serving module splits it."""
-    from transformers.cli.serving.utils import parse_model_id as split
-
-    return split(model_id)
 
 
 def is_kha_folder(repo: str) -> bool:

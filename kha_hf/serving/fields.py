@@ -245,8 +245,7 @@ def content(
             return value
         if not isinstance(value, list):
             raise bad(name, f"a string or a list of {{type: {kinds}, ...}} parts", value)
-        checked = list_of(part, MAX_MESSAGES)(value, name)
-        return checked
+        return list_of(part, MAX_MESSAGES)(value, name)
 
     return check
 

@@ -30,6 +30,7 @@ hand transformers' response builders `KHAEngineClient.for_request(...)`, the cli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -184,11 +185,9 @@ class Generation:
 
         async def watch() -> None:
             nonlocal gone
-            try:
+            with contextlib.suppress(Exception):  # the model's process failed or stopped: nothing of the request runs
                 while not await self.engine.submit(engine_request_gone, str(engine_id)):
                     await asyncio.sleep(GONE_POLL_SECONDS)
-            except Exception:  # the model's process failed or stopped: nothing of the request runs
-                pass
             gone = True
 
         self.registry.end(self, still_running=lambda: not gone)
@@ -238,10 +237,8 @@ class KHAEngineClient(EngineClient):
 
     def trim_stop_string_cache(self) -> None:
         async def trim() -> None:
-            try:
+            with contextlib.suppress(Exception):
                 await self.submit(engine_trim_stop_string_cache)
-            except Exception:
-                pass
 
         self.kha_background(trim())
 

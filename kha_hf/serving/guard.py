@@ -74,11 +74,9 @@ class RequestRegistry:
     def on_cancel(self, request_id: str, cancel: Callable[[], None]) -> None:
         """Call CANCEL when REQUEST_ID's client disconnects (at once if it already has)."""
         with self.lock:
-            if request_id in self.cancelled:
-                already = True
-            else:
+            already = request_id in self.cancelled
+            if not already:
                 self.cancellers.setdefault(request_id, []).append(cancel)
-                already = False
         if already:
             cancel()
 
@@ -130,45 +128,32 @@ def model_aliases(typed: str, served: str) -> set[str]:
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
 
-def is_loopback(host: str | None) -> bool:
-    return host is not None and (host.strip("[]") in LOOPBACK_NAMES or host.startswith("127."))
-
-
 def allowed_host_headers(host: str | None, port: int | None) -> set[bytes] | None:
     """The Host headers a server bound to HOST:PORT answers: on a loopback address, its loopback names (alone or with
     PORT), so that a web page whose name was rebound to 127.0.0.1 (DNS rebinding) cannot read its answers; None (any
     Host) when it is bound to another address (0.0.0.0, a LAN address: reached under names kha serve cannot know)."""
-    if not is_loopback(host):
+    if host is None or not (host.strip("[]") in LOOPBACK_NAMES or host.startswith("127.")):
         return None
     names = {"127.0.0.1", "localhost", "[::1]", host if ":" not in host else f"[{host.strip('[]')}]"}
-    allowed = set(names) | {f"{name}:{port}" for name in names if port is not None}
+    allowed = names | {f"{name}:{port}" for name in names if port is not None}
     return {name.encode() for name in allowed}
 
 
-def is_json_content_type(value: bytes | None) -> bool:
-    return value is not None and value.split(b";")[0].strip().lower() == b"application/json"
-
-
+@dataclass(eq=False)  # compared and hashed as itself, as the middleware object it is
 class ServeGuard:
     """ASGI middleware; `app` is transformers' FastAPI application. HOST, PORT: the address the server is bound to
     (its Host headers are checked on a loopback one, `allowed_host_headers`); None: any Host."""
 
-    def __init__(
-        self,
-        app,
-        served: str,
-        aliases: set[str],
-        limits: ServeLimits,
-        registry: RequestRegistry,
-        host: str | None = None,
-        port: int | None = None,
-    ) -> None:
-        self.app = app
-        self.allowed_hosts = allowed_host_headers(host, port)
-        self.served = served
-        self.aliases = aliases
-        self.limits = limits
-        self.registry = registry
+    app: Callable
+    served: str
+    aliases: set[str]
+    limits: ServeLimits
+    registry: RequestRegistry
+    host: str | None = None
+    port: int | None = None
+
+    def __post_init__(self) -> None:
+        self.allowed_hosts = allowed_host_headers(self.host, self.port)
         self.cwd = os.getcwd()  # a relative name in a request means what it meant where the server started
 
     async def __call__(self, scope, receive, send) -> None:
@@ -207,7 +192,7 @@ class ServeGuard:
                 raise RequestError(404, f"no such endpoint {path}; kha serve answers {', '.join(GENERATION_PATHS)}")
             if method != "POST":
                 raise RequestError(405, f"{path} takes POST requests")
-            if not is_json_content_type(headers.get(b"content-type")):
+            if (headers.get(b"content-type") or b"").split(b";")[0].strip().lower() != b"application/json":
                 # a web page may POST text/plain or a form to the loopback server without asking (CSRF); JSON it may
                 # send only after a preflight (OPTIONS), which these paths refuse
                 raise RequestError(415, f"{path} takes a JSON body: send Content-Type: application/json")

@@ -88,11 +88,8 @@ def _serve_renders(conn, processor_blob: bytes, memory: int) -> None:
         except (EOFError, OSError):
             return
         try:
-            if kind == "chat":
-                result = processor.apply_chat_template(*args, **kwargs)
-            else:
-                result = tokenizer(*args, **kwargs)
-            reply = _dumps((True, _plain(result)))
+            render = processor.apply_chat_template if kind == "chat" else tokenizer
+            reply = _dumps((True, _plain(render(*args, **kwargs))))
         except MemoryError:
             reply = None
         except BaseException as err:  # the template's, the tokenizer's or the processor's own error

@@ -155,10 +155,6 @@ WHOLE_BOUNDS = {
 }
 
 
-def _machine_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def check_generation_config(folder: Path, model_config: dict) -> None:
     """One-line KHAError for generation settings in FOLDER's generation_config.json (or, without one, its
     config.json, which transformers builds the generation config from) that no request could be allowed
@@ -206,17 +202,13 @@ def check_serve_inputs(
         raise KHAError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_CHOICES)}")
     if device != "auto":
         check_device(device)
-    counts = {
-        "max_new_tokens": limits.max_new_tokens,
-        "max_request_bytes": limits.max_request_bytes,
-        "max_connections": limits.max_connections,
-        "render_memory": limits.render_memory,
-    }
+    counts = {name: getattr(limits, name) for name in ("max_new_tokens", "max_request_bytes", "max_connections")}
+    counts["render_memory"] = limits.render_memory
     counts.update({name: value for name, value in (cache_sizes or {}).items() if value is not None})
     for name, value in counts.items():
         if not isinstance(value, int) or value < 1:
             raise KHAError(f"{name} must be a positive integer, got {value!r}")
-    memory = _machine_memory()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's
     if isinstance(limits.render_memory, int) and limits.render_memory > memory:
         raise KHAError(
             f"--render-memory {limits.render_memory >> 20} MiB is more than this machine's memory ({memory >> 20} "
@@ -233,12 +225,11 @@ def check_serve_inputs(
         checkpoint = open_checkpoint(path, trust_remote_code=trust_remote_code, causal_lm=True)
     except NoConfig:
         raise KHAError(f"{model} is not a model folder (it has no readable config.json)") from None
-    is_kha = checkpoint.is_kha
-    if is_kha:
+    if checkpoint.is_kha:
         check_processor_needs_no_code(path)  # its processor loads without code (KHAModelManager._load_processor)
     check_processor_bounds(path)  # one small image resized to gigabytes (any checkpoint: its processor serves images)
     check_generation_config(path, checkpoint.config)
-    if is_kha and not any((path / f).is_file() for f in TOKENIZER_FILES):
+    if checkpoint.is_kha and not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise KHAError(f"{model} has no tokenizer files: copy the base model's tokenizer into it to serve it")
     return str(path.resolve())
 
