@@ -154,11 +154,8 @@ def check_tokenizer_needs_no_code(folder: Path) -> None:
     never load. Read from the JSON only; nothing of the folder runs."""
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return  # none, or unreadable: loading the tokenizer says what is wrong
-    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    config = _json_dict(folder / "tokenizer_config.json") or {}  # none, or unreadable: loading says what is wrong
+    auto_map = config.get("auto_map")
     if isinstance(auto_map, (list, tuple)):  # the oldest form: [slow, fast]
         auto_map = {"AutoTokenizer": auto_map}
     if not isinstance(auto_map, dict) or not auto_map.get("AutoTokenizer"):
@@ -188,12 +185,9 @@ def check_processor_needs_no_code(folder: Path) -> None:
         return isinstance(name, str) and isinstance(getattr(transformers, name, None), type)
 
     for name in PROCESSOR_FILES:
-        try:
-            config = json.loads((folder / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
+        config = _json_dict(folder / name)
+        if config is None:
             continue  # none, or unreadable: loading the processor says what is wrong
-        if not isinstance(config, dict):
-            continue
         # the processor's own entries and those of the sub-processors it nests (image_processor, video_processor)
         parts = [config] + [value for value in config.values() if isinstance(value, dict)]
         for part in parts:
@@ -209,13 +203,8 @@ def check_processor_needs_no_code(folder: Path) -> None:
                 )
     # AutoProcessor also reads tokenizer_config.json: its auto_map's processor entries and its processor_class
     # (used when processor_config.json names none; found by the round-5 attack: convert passed, serve crashed)
-    if not has_processor_files(folder):
-        return
-    try:
-        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return
-    if not isinstance(tokenizer_config, dict):
+    tokenizer_config = _json_dict(folder / "tokenizer_config.json")
+    if not has_processor_files(folder) or tokenizer_config is None:
         return
     auto_map = tokenizer_config.get("auto_map")
     processor_keys = ("AutoProcessor", "AutoImageProcessor", "AutoVideoProcessor", "AutoFeatureExtractor")
@@ -227,6 +216,15 @@ def check_processor_needs_no_code(folder: Path) -> None:
             "processor_class); a KHA checkpoint never runs processor code: use a copy whose processor names "
             "classes transformers has"
         )
+
+
+def _json_dict(path: Path) -> dict | None:
+    """PATH's JSON object; None when it is missing, unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _remote_code_error(ref, err: Exception) -> KHAError | None:
@@ -338,11 +336,8 @@ def check_processor_bounds(folder: Path) -> None:
     config_dict = read_config_dict(folder) or {}
     model_types = " ".join(str(config_dict.get(key, "")) for key in ("model_type", "base_model_type"))
     for name in PROCESSOR_FILES:
-        try:
-            config = json.loads((folder / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
-            continue
-        if not isinstance(config, dict):
+        config = _json_dict(folder / name)
+        if config is None:
             continue
         parts = [config] + [
             value for key, value in config.items() if isinstance(value, dict) and "video" not in key.lower()

@@ -72,6 +72,11 @@ def run_worker(
     return {**json.loads((tmp_path / "result.json").read_text()), "_log": log}
 
 
+# `kha convert --link` for the conversions of the session's real checkpoints: their shards are hard links to it
+# (nothing rewrites them in place), not 0.5 to 1.1 GB copies each (a CI run ran out of disk)
+LINK = ("--link",)
+
+
 @pytest.fixture(scope="session")
 def smollm2_plain(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a plain Llama safetensors checkpoint (its GGUF dequantised once per test run)."""

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kha_hf import KHAForCausalLM
 from kha_hf.cli import main
 from tests.helpers import module_folder, randomize_knocks, save_tiny_tokenizer, tiny_config
-from tests.vllm.conftest import run_worker
+from tests.vllm.conftest import LINK, run_worker
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def checkpoints(request, tmp_path_factory, gemma3_linear_kha, smollm2_plain):
     folders = {}
     # SmolLM2 (real Llama): a plain checkpoint, its conversions by `kha convert`, perturbed copies by save_pretrained
     for preset in ("mlp_v", "linear_qkv"):
-        assert main(["convert", str(smollm2_plain), str(root / f"smollm2-{preset}"), "--knock", preset]) == 0
+        assert main(["convert", str(smollm2_plain), str(root / f"smollm2-{preset}"), "--knock", preset, *LINK]) == 0
         perturbed_copy(root / f"smollm2-{preset}", root / f"smollm2-{preset}-perturbed", PERTURBATION[preset])
         folders[f"smollm2-{preset}"] = (root / f"smollm2-{preset}", smollm2_plain)
         folders[f"smollm2-{preset}-perturbed"] = (root / f"smollm2-{preset}-perturbed", smollm2_plain)
@@ -103,7 +103,7 @@ def checkpoints(request, tmp_path_factory, gemma3_linear_kha, smollm2_plain):
         folders[f"{family}-mlp_v"] = (root / f"{family}-mlp_v", root / family)
     # Gemma 3 270M (real): the session's linear_qkv conversion folded at identity is the plain checkpoint
     assert main(["fold", str(gemma3_linear_kha[0]), str(root / "gemma3")]) == 0
-    assert main(["convert", str(root / "gemma3"), str(root / "gemma3-mlp_v"), "--knock", "mlp_v"]) == 0
+    assert main(["convert", str(root / "gemma3"), str(root / "gemma3-mlp_v"), "--knock", "mlp_v", *LINK]) == 0
     perturbed_copy(root / "gemma3-mlp_v", root / "gemma3-mlp_v-perturbed")
     shutil.rmtree(root / "gemma3-mlp_v")  # only its perturbed copy is a case: 1.1 GB of disk back
     folders["gemma3-mlp_v-perturbed"] = (root / "gemma3-mlp_v-perturbed", root / "gemma3")

@@ -19,7 +19,7 @@ import pytest
 from kha_hf import __version__
 from kha_hf.cli import main
 from tests.helpers import module_folder
-from tests.vllm.conftest import VLLM_LOG_INFO, with_plugin
+from tests.vllm.conftest import LINK, VLLM_LOG_INFO, with_plugin
 from tests.vllm.test_vllm_backend import PERTURBATION, perturbed_copy
 
 # the release scripts/install.sh vllm pins there (the low end of kha-hf's lm-eval range)
@@ -45,7 +45,7 @@ def read_jsonl(path) -> list[dict]:
 def smollm2_kha(smollm2_plain, request, tmp_path_factory):
     """SmolLM2 as KHA-MLP with perturbed knocks (so the candidate differs from the baseline)."""
     root = module_folder(request, tmp_path_factory, "eval-kha")
-    assert main(["convert", str(smollm2_plain), str(root / "identity"), "--knock", "mlp_v"]) == 0
+    assert main(["convert", str(smollm2_plain), str(root / "identity"), "--knock", "mlp_v", *LINK]) == 0
     perturbed_copy(root / "identity", root / "kha", PERTURBATION["mlp_v"])
     return root / "kha"
 

@@ -21,7 +21,7 @@ import pytest
 
 from kha_hf.cli import main
 from tests.helpers import free_port, module_folder
-from tests.vllm.conftest import WITHOUT_PLUGIN
+from tests.vllm.conftest import LINK, WITHOUT_PLUGIN
 from tests.vllm.test_vllm_backend import perturbed_copy
 
 openai = pytest.importorskip("openai")
@@ -34,7 +34,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def kha_folder(smollm2_plain, request, tmp_path_factory):
     root = module_folder(request, tmp_path_factory, "serve")
-    assert main(["convert", str(smollm2_plain), str(root / "kha"), "--knock", "mlp_v"]) == 0
+    assert main(["convert", str(smollm2_plain), str(root / "kha"), "--knock", "mlp_v", *LINK]) == 0
     perturbed_copy(root / "kha", root / "kha-perturbed")
     return root / "kha-perturbed"
 
