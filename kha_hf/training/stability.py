@@ -135,9 +135,8 @@ def register_probe() -> str:
 
 def _configs(model) -> list:
     config = getattr(model, "config", None)
-    if config is None:
-        return []
-    return [config, *(c for c in (getattr(config, "text_config", None),) if c is not None and c is not config)]
+    text = getattr(config, "text_config", None)
+    return [c for c in (config, None if text is config else text) if c is not None]
 
 
 def start_probing(model, log: StabilityLog) -> bool:
