@@ -92,15 +92,9 @@ def _read_gguf(path: Path, source: SourceCard) -> None:
         source.metadata["language"] = list(value("general.languages"))
     if datasets := [d for i in range(8) if (d := hub_id(value(f"general.datasets.{i}.repo_url")))]:
         source.metadata["datasets"] = datasets
-    for key in (
-        "general.source.huggingface.repository",
-        "general.source.repo_url",
-        "general.source.url",
-        "general.base_model.0.repo_url",
-    ):
-        if found := hub_id(value(key)):
-            source.base_model = found
-            break
+    repos = ("general.source.huggingface.repository", "general.source.repo_url", "general.source.url")
+    found = (hub_id(value(key)) for key in (*repos, "general.base_model.0.repo_url"))
+    source.base_model = next(filter(None, found), source.base_model)
 
 
 def kha_card(config, source: SourceCard, title: str, description: str) -> str:

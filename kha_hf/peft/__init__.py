@@ -14,14 +14,9 @@ from .convert import kha_knock_state_dict, knock_adapter_from_kha, to_kha_model
 from .layer import KnockLayer
 from .model import KnockModel
 
-_registered = False
-
 
 def register_knock_method() -> None:
-    """Make `KNOCK` a PEFT method (idempotent)."""
-    global _registered
-    if _registered:
-        return
+    """Make `KNOCK` a PEFT method (idempotent: registered once, compat installed once)."""
     from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
     from peft.utils import register_peft_method
 
@@ -30,7 +25,6 @@ def register_knock_method() -> None:
             name=KNOCK_PEFT_TYPE.lower(), config_cls=KnockConfig, model_cls=KnockModel, prefix="knock_"
         )
     compat.install()  # peft 0.20 only: the 0.21 file format and load checks for knock adapters
-    _registered = True
 
 
 register_knock_method()

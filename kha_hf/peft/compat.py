@@ -33,7 +33,6 @@ from .model import REMAP_HOOK, KnockModel, check_knock_state_dict, saved_module_
 # the modules whose global name peft's own code (and transformers' peft integration, `from peft import ...` at call
 # time) looks these functions up under
 _HOMES = (peft, peft.utils, peft.utils.save_and_load, peft.peft_model)
-_installed = False
 
 
 def _is_knock(model: Any, adapter_name: str) -> bool:
@@ -72,8 +71,7 @@ def _loading(original: Callable) -> Callable:
 
 def install() -> None:
     """On peft < 0.21: route knock adapters' save and load through the 0.21 file format and checks (idempotent)."""
-    global _installed
-    if REMAP_HOOK or _installed:
+    if REMAP_HOOK:
         return
     for name, wrap in (("get_peft_model_state_dict", _saving), ("set_peft_model_state_dict", _loading)):
         original = getattr(peft.utils.save_and_load, name)
@@ -83,4 +81,3 @@ def install() -> None:
         for home in _HOMES:
             if getattr(home, name, None) is original:
                 setattr(home, name, wrapped)
-    _installed = True

@@ -160,9 +160,6 @@ class KnockConfig(PeftConfig):
     @property
     def knock_types(self) -> dict[str, str]:
         """target (q / k / v) -> knock type, for the targets that get a knock (the preset with the overrides)."""
-        types = dict(zip(("q", "k", "v"), KNOCK_PRESETS[self.knock], strict=True))
-        for target in types:
-            override = getattr(self, f"knock_{target}")
-            if override is not None:
-                types[target] = override
+        preset = zip(("q", "k", "v"), KNOCK_PRESETS[self.knock], strict=True)
+        types = {target: getattr(self, f"knock_{target}") or kind for target, kind in preset}
         return {target: kind for target, kind in types.items() if kind != "none"}

@@ -127,9 +127,12 @@ def perturb_knocks(knocks: nn.Module, module_name: str, adapter_name: str = "def
             param.add_((INIT_PERTURBATION * noise).to(param.dtype).to(param.device))
 
 
-def _family(model: nn.Module) -> tuple[str, Any]:
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+def knock_placements(model: nn.Module, config: KnockConfig) -> dict[str, dict[str, Any]]:
+    """module name -> what its `KnockLayer` needs (types, dims, blocks, plan), for every projection that takes a
+    knock of CONFIG in MODEL. Refuses (ValueError, one line) a family, layer list or projection size that does not
+    fit."""
+    model_config = getattr(model, "config", None)
+    model_type = getattr(model_config, "model_type", None)
     if model_type == "kha":
         raise ValueError(
             "this model is a KHA model and has knocks already: train them directly (kha train, or any trainer with "
@@ -140,14 +143,6 @@ def _family(model: nn.Module) -> tuple[str, Any]:
             f"a knock adapter needs a model of a family KHA supports; {model_type!r} is not one of: "
             f"{', '.join(FAMILIES)}"
         )
-    return model_type, config
-
-
-def knock_placements(model: nn.Module, config: KnockConfig) -> dict[str, dict[str, Any]]:
-    """module name -> what its `KnockLayer` needs (types, dims, blocks, plan), for every projection that takes a
-    knock of CONFIG in MODEL. Refuses (ValueError, one line) a family, layer list or projection size that does not
-    fit."""
-    model_type, model_config = _family(model)
     if config.base_model_type is not None and config.base_model_type != model_type:
         raise ValueError(f"this knock adapter was made for a {config.base_model_type} model, not {model_type}")
     spec = family_spec(model_type)

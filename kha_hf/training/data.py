@@ -18,9 +18,7 @@ from ..common.assets import shakespeare_files
 from ..common.errors import KHAError
 from ..common.text_files import read_text_file
 from ..data.fingerprint import leading_bos
-from ..data.sources import looks_like_hub_dataset
-
-TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text")
+from ..data.sources import TEXT_SUFFIXES, looks_like_hub_dataset
 
 
 class TokenBlocks(Dataset):

@@ -47,23 +47,20 @@ def knock_decays(model: nn.Module, optimizer) -> set[float]:
     knock_ids = {id(p) for name, p in model.named_parameters() if is_knock_parameter(name)}
     inner = optimizer
     while inner is not None:
+        # DeepSpeed ZeRO: the model's parameters, group by group
         groups = getattr(inner, "bit16_groups", None) or getattr(inner, "fp16_groups", None)
-        if groups is not None:  # DeepSpeed ZeRO: the model's parameters, group by group
-            return {
-                float(inner.param_groups[i]["weight_decay"])
-                for i, params in enumerate(groups)
-                if any(id(p) in knock_ids for p in params)
-            }
-        if getattr(inner, "optimizer", None) is not None:  # accelerate's and DeepSpeed's wrappers hold the real one
-            inner = inner.optimizer
+        if groups is None and getattr(inner, "optimizer", None) is not None:  # accelerate's and DeepSpeed's wrappers
+            inner = inner.optimizer  # hold the real one
             continue
-        if isinstance(inner, torch.optim.Optimizer):
-            return {
-                float(group["weight_decay"])
-                for group in inner.param_groups
-                if any(id(p) in knock_ids for p in group["params"])
-            }
-        break
+        if groups is None and isinstance(inner, torch.optim.Optimizer):
+            groups = [group["params"] for group in inner.param_groups]
+        if groups is None:
+            break
+        return {
+            float(inner.param_groups[i]["weight_decay"])
+            for i, params in enumerate(groups)
+            if any(id(p) in knock_ids for p in params)
+        }
     return set()
 
 

@@ -8,7 +8,6 @@ from ..common.errors import KHAError
 from .params import KNOCK_MODULE_NAMES, is_knock_parameter
 
 MODES = ("knocks", "lora", "full")
-MATCH_TOLERANCE = 0.05  # a parameter-matched LoRA control may differ from the knocks' count by this much
 DEFAULT_LR = {"knocks": 1e-3, "lora": 2e-4, "full": 5e-5}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -5,17 +5,14 @@ from __future__ import annotations
 from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback
 
+_SHOWN = {"learning_rate": "lr {:.2e}", "tokens_per_second": "{:,.0f} tok/s", "knock_distance": "knock distance {:.4f}"}
+
 
 def format_log(logs: dict, step: int, max_steps: int) -> str:
     """One line: step, loss, learning rate, tokens/s and knock distance for training logs; held-out loss for evals."""
     if "loss" in logs:
         parts = [f"step {step}/{max_steps}", f"loss {logs['loss']:.4f}"]
-        if "learning_rate" in logs:
-            parts.append(f"lr {float(logs['learning_rate']):.2e}")
-        if "tokens_per_second" in logs:
-            parts.append(f"{logs['tokens_per_second']:,.0f} tok/s")
-        if "knock_distance" in logs:
-            parts.append(f"knock distance {logs['knock_distance']:.4f}")
+        parts += [shown.format(float(logs[key])) for key, shown in _SHOWN.items() if key in logs]
         return "  ".join(parts)
     if "eval_loss" in logs:
         when = "before training" if max_steps == 0 else f"step {step}/{max_steps}"

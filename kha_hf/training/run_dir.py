@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 from ..checkpoint.output import atomic_output_dir
@@ -20,10 +21,11 @@ from ..checkpoint.paths import is_training_run
 def run_output_dir(dst: Path, overwrite: bool, args, adopt: Path | None = None) -> Iterator[Path]:
     """Yield the working folder of a training run whose result becomes DST; ARGS (TrainingArguments) are pointed
     at it. The process group is the one ARGS set up (accelerate's state), never one of our own."""
+    output = partial(
+        atomic_output_dir, dst, overwrite=overwrite, keep_on_failure=is_training_run, adopt=adopt, marker="train"
+    )
     if args.world_size <= 1:  # reading world_size sets up the device and, under a launcher, the process group
-        with atomic_output_dir(
-            dst, overwrite=overwrite, keep_on_failure=is_training_run, adopt=adopt, marker="train"
-        ) as work:
+        with output() as work:
             args.output_dir = str(work)
             yield work
         return
@@ -32,9 +34,7 @@ def run_output_dir(dst: Path, overwrite: bool, args, adopt: Path | None = None) 
 
     state = PartialState()  # the state TrainingArguments initialised (a shared singleton)
     if state.is_main_process:
-        with atomic_output_dir(
-            dst, overwrite=overwrite, keep_on_failure=is_training_run, adopt=adopt, marker="train"
-        ) as work:
+        with output() as work:
             dist.broadcast_object_list([str(work)], src=0)
             args.output_dir = str(work)
             yield work

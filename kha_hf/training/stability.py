@@ -123,21 +123,10 @@ def largest_logit(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | N
     return best
 
 
-def register_probe() -> str:
-    """Register the probing attention (and SDPA's mask under the same name) with transformers; its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(PROBE_IMPLEMENTATION, probed_attention)
-    AttentionMaskInterface.register(PROBE_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS[PROBED_IMPLEMENTATION])
-    return PROBE_IMPLEMENTATION
-
-
 def _configs(model) -> list:
     config = getattr(model, "config", None)
-    if config is None:
-        return []
-    return [config, *(c for c in (getattr(config, "text_config", None),) if c is not None and c is not config)]
+    text = getattr(config, "text_config", None)
+    return [c for c in (config, None if text is config else text) if c is not None]
 
 
 def start_probing(model, log: StabilityLog) -> bool:
@@ -149,9 +138,14 @@ def start_probing(model, log: StabilityLog) -> bool:
     if log.logit_every <= 0 or not configs or any(c._attn_implementation not in accepted for c in configs):
         stop_probing(model, log)
         return False
-    name = register_probe()
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    # the probing attention, and SDPA's mask under the same name
+    AttentionInterface.register(PROBE_IMPLEMENTATION, probed_attention)
+    AttentionMaskInterface.register(PROBE_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS[PROBED_IMPLEMENTATION])
     for config in configs:
-        config._attn_implementation = name
+        config._attn_implementation = PROBE_IMPLEMENTATION
     _ACTIVE.append(log)
     return True
 

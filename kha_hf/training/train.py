@@ -102,12 +102,6 @@ def check_token_ids(train_set, heldout_set, config) -> None:
         )
 
 
-def check_trainable_config(folder: Path):
-    """A local MODEL must be a KHA checkpoint or a base checkpoint of a supported family; returns the opened,
-    checked `Checkpoint`."""
-    return open_checkpoint(folder, accept=_trainable, causal_lm=True)  # a reward model would get a random lm_head
-
-
 def _trainable(config: dict, folder: Path) -> None:
     """`open_checkpoint`'s ACCEPT: a KHA checkpoint or a base checkpoint of a supported family."""
     model_type = config.get("model_type")
@@ -204,7 +198,8 @@ def train(
     if Path(model_path).exists():  # adapters record their base model's path: make it absolute
         model_path = Path(model_path).resolve()
         if not from_config:
-            local_checkpoint = check_trainable_config(model_path)
+            # a KHA checkpoint or a base checkpoint of a supported family; a reward model would get a random lm_head
+            local_checkpoint = open_checkpoint(model_path, accept=_trainable, causal_lm=True)
     corpus = prepared_corpus(data)  # a prepared corpus is opened and checked here, before anything else
     if corpus is None:
         check_raw_data_fits(data)  # raw text that would not fit in memory: refused, naming kha tokenize
