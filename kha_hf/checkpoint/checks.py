@@ -92,7 +92,7 @@ def check_config_values(config: dict, where: str) -> None:
         if value is not None and (not isinstance(value, str) or value not in ACT2FN):
             raise KHAError(f"{where}: {name} {value!r} is not an activation transformers knows (e.g. silu, gelu)")
     for name, value in config.items():  # a dropout probability past [0, 1] is a traceback deep in the forward
-        if name.endswith("dropout") and _number(value) and not 0 <= value <= 1:
+        if name.endswith("dropout") and is_number(value) and not 0 <= value <= 1:
             raise KHAError(f"{where}: {name} {value!r} is not a probability between 0 and 1")
     _check_rope(config, where)
     _check_layer_types(config, where)
@@ -568,5 +568,6 @@ def refuse_task_head(folder: Path, head: str | None, why: str = NOT_A_LANGUAGE_M
         raise KHAError(f"{folder} is a {head}, {why}")
 
 
-def _number(value) -> bool:
+def is_number(value) -> bool:
+    """A JSON number (an int or float, not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -18,7 +18,7 @@ import torch
 
 from ..common.errors import KHAError
 from ..modeling.configuration_kha import multimodal_text_type
-from .checks import family_type
+from .checks import family_type, is_number
 from .reader import Checkpoint, open_checkpoint, read_config_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -351,18 +351,18 @@ def check_processor_bounds(folder: Path) -> None:
             for key, value in part.items():
                 if not isinstance(key, str) or "video" in key.lower():
                     continue
-                if "pixels" in key and _number(value) and value > MAX_PROCESSOR_PIXELS:
+                if "pixels" in key and is_number(value) and value > MAX_PROCESSOR_PIXELS:
                     refuse(key, value, MAX_PROCESSOR_PIXELS, "pixels")
-                if key in PROCESSOR_CROP_KEYS and _number(value) and value > MAX_PROCESSOR_CROPS:
+                if key in PROCESSOR_CROP_KEYS and is_number(value) and value > MAX_PROCESSOR_CROPS:
                     refuse(key, value, MAX_PROCESSOR_CROPS, "crops")
-                if key in PROCESSOR_PATCH_KEYS and _number(value) and value > MAX_PROCESSOR_PATCHES:
+                if key in PROCESSOR_PATCH_KEYS and is_number(value) and value > MAX_PROCESSOR_PATCHES:
                     refuse(key, value, MAX_PROCESSOR_PATCHES, "patches")
-                if key in PROCESSOR_TOKEN_KEYS and _number(value) and value > MAX_PROCESSOR_IMAGE_TOKENS:
+                if key in PROCESSOR_TOKEN_KEYS and is_number(value) and value > MAX_PROCESSOR_IMAGE_TOKENS:
                     # Gemma 3's processor builds its image-token string of this length when it is created
                     refuse(key, value, MAX_PROCESSOR_IMAGE_TOKENS, "tokens per image")
                 if key == "patch_size":
                     sides = value.values() if isinstance(value, dict) else [value]
-                    if any(_number(side) and side < MIN_PROCESSOR_PATCH for side in sides):
+                    if any(is_number(side) and side < MIN_PROCESSOR_PATCH for side in sides):
                         raise KHAError(
                             f"{folder / name}: patch_size = {value!r} is below the {MIN_PROCESSOR_PATCH} pixels of any "
                             "released processor; one image would become millions of tokens: fix the processor's config"
@@ -371,7 +371,7 @@ def check_processor_bounds(folder: Path) -> None:
                     continue
                 if isinstance(value, dict):
                     for side, number in value.items():
-                        if side not in SIDE_KEYS or not _number(number):
+                        if side not in SIDE_KEYS or not is_number(number):
                             continue
                         in_pixels = pixel_sizes and side in ("shortest_edge", "longest_edge")
                         bound = MAX_PROCESSOR_PIXELS if in_pixels else MAX_PROCESSOR_SIDE
@@ -380,7 +380,7 @@ def check_processor_bounds(folder: Path) -> None:
                     continue
                 numbers = value if isinstance(value, list) else [value]
                 for number in numbers:
-                    if _number(number) and number > MAX_PROCESSOR_SIDE:
+                    if is_number(number) and number > MAX_PROCESSOR_SIDE:
                         refuse(key, value, MAX_PROCESSOR_SIDE, "pixels a side")
 
 
@@ -389,10 +389,6 @@ def _refuse_processor(path: Path, key: str, value, bound: int, what: str):
         f"{path}: {key} = {value!r} {what}, over the {bound:,} of any released processor; one small image would "
         "cost the server gigabytes: fix the processor's config"
     )
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def is_multimodal_checkpoint(folder: Path) -> bool:

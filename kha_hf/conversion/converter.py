@@ -26,7 +26,6 @@ from ..checkpoint.adapter_knocks import TrainedKnocks, adapter_kha_config, adapt
 from ..checkpoint.checks import architectures_of
 from ..checkpoint.knock_tensors import initial_knock_tensors
 from ..checkpoint.loading import (
-    DTYPES,
     PROCESSOR_FILES,
     TOKENIZER_FILES,
     check_hub_repo_id,
@@ -262,7 +261,7 @@ def _convert_folder(
 
     floats = Counter(info.dtype for info in tensors.values() if info.dtype.is_floating_point)
     source_dtype = floats.most_common(1)[0][0] if floats else torch.float32
-    target_dtype = DTYPES[dtype] if dtype else source_dtype
+    target_dtype = torch_dtype(dtype) if dtype else source_dtype
     knocks = initial_knock_tensors(config, target_dtype, prefix)
     if knocks_from is not None:  # checked against what the KHA model needs before any shard is written
         knocks = adapter_knocks(knocks, knocks_from.tensors, source.name)

@@ -202,8 +202,8 @@ def check_serve_inputs(
         raise KHAError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_CHOICES)}")
     if device != "auto":
         check_device(device)
-    counts = {name: getattr(limits, name) for name in ("max_new_tokens", "max_request_bytes", "max_connections")}
-    counts["render_memory"] = limits.render_memory
+    counted = ("max_new_tokens", "max_request_bytes", "max_connections", "render_memory")
+    counts = {name: getattr(limits, name) for name in counted}
     counts.update({name: value for name, value in (cache_sizes or {}).items() if value is not None})
     for name, value in counts.items():
         if not isinstance(value, int) or value < 1:

@@ -47,12 +47,12 @@ def knock_decays(model: nn.Module, optimizer) -> set[float]:
     knock_ids = {id(p) for name, p in model.named_parameters() if is_knock_parameter(name)}
     inner = optimizer
     while inner is not None:
-        # DeepSpeed ZeRO: the model's parameters, group by group
+        # DeepSpeed ZeRO: the model's parameters, group by group (in the order of its param_groups)
         groups = getattr(inner, "bit16_groups", None) or getattr(inner, "fp16_groups", None)
-        if groups is None and getattr(inner, "optimizer", None) is not None:  # accelerate's and DeepSpeed's wrappers
-            inner = inner.optimizer  # hold the real one
+        if groups is None and getattr(inner, "optimizer", None) is not None:
+            inner = inner.optimizer  # accelerate's and DeepSpeed's wrappers hold the real one
             continue
-        if groups is None and isinstance(inner, torch.optim.Optimizer):
+        if groups is None and isinstance(inner, torch.optim.Optimizer):  # torch: each group holds its parameters
             groups = [group["params"] for group in inner.param_groups]
         if groups is None:
             break

@@ -237,11 +237,11 @@ def train(
     else:
         train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_heldout_blocks=max_eval_blocks)
     check_batches(len(train_set), batch_size, _world_size())  # 0 steps is an error, before the model is loaded
-    # before the model: under DeepSpeed ZeRO-3 (accelerate launch) the arguments switch transformers to build it
-    # partitioned across ranks (deepspeed.zero.Init), as from_pretrained and from_config then do
     known_config = config if from_config else getattr(local_checkpoint, "model_config", None)
     if corpus is None and known_config is not None:
         check_token_ids(train_set, heldout_set, known_config)  # before the model loads: one line, nothing printed
+    # before the model: under DeepSpeed ZeRO-3 (accelerate launch) the arguments switch transformers to build it
+    # partitioned across ranks (deepspeed.zero.Init), as from_pretrained and from_config then do
     check_deepspeed_config()  # what accelerate hands this process: blocks that write elsewhere or end the run
     args = paper_training_arguments(
         output_dir,  # replaced by the run's working folder below

@@ -160,3 +160,20 @@ def test_every_option_has_help_and_shows_its_default(name, capsys):
         if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
             shown = "".join(out.split())  # argparse wraps long lines, also inside words with hyphens
             assert f"default:{action.default}".replace(" ", "") in shown, f"kha {name} {action.option_strings}"
+
+
+def test_call_with_passes_every_option_by_name_and_refuses_one_without_a_parameter():
+    """`cli._common.call_with`: the positional options in order, the rest by name (a renamed one under its
+    parameter); an option the function has no parameter for is an error, never dropped."""
+    import argparse
+
+    from kha_hf.cli._common import call_with
+
+    def target(src, dst, link=False, trained_knocks=None):
+        return src, dst, link, trained_knocks
+
+    args = argparse.Namespace(command="x", func=None, src="a", dst="b", link=True, adapter="ad")
+    assert call_with(target, args, "src", "dst", trained_knocks="adapter") == ("a", "b", True, "ad")
+    with pytest.raises(TypeError, match="has no parameter for the option"):
+        call_with(target, args, "src", "dst")  # --adapter with no parameter of that name
+    assert args.adapter == "ad"  # ARGS itself is left as it was
