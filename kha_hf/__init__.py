@@ -52,19 +52,12 @@ if not getattr(sys.modules.get("kha_hf_entry"), "DEFER_REGISTRATION", False):
 
 # Imported on first use: the model classes, the knock parameter helpers, and the tools' Python API (which pull in
 # the Trainer, lm-eval, ...): `from kha_hf import KHAForCausalLM, convert`.
+_MODELS = ("KHAForCausalLM", "KHAForConditionalGeneration", "KHAModel", "KHAPreTrainedModel")
+_HEADS = ("KHAForSequenceClassification", "KHAForTokenClassification", "KHAForQuestionAnswering")
+_PARAMS = ("count_knock_parameters", "is_knock_parameter", "knock_parameter_names", "knock_target_modules")
 _LAZY = {
-    "KHAForCausalLM": ".modeling.modeling_kha",
-    "KHAForConditionalGeneration": ".modeling.modeling_kha",
-    "KHAModel": ".modeling.modeling_kha",
-    "KHAPreTrainedModel": ".modeling.modeling_kha",
-    "KHAForSequenceClassification": ".modeling.modeling_kha",
-    "KHAForTokenClassification": ".modeling.modeling_kha",
-    "KHAForQuestionAnswering": ".modeling.modeling_kha",
-    "count_knock_parameters": ".training.params",
-    "is_knock_parameter": ".training.params",
-    "knock_parameter_names": ".training.params",
-    "knock_target_modules": ".training.params",
-    "optimizer_param_groups": ".training.params",
+    **dict.fromkeys((*_MODELS, *_HEADS), ".modeling.modeling_kha"),
+    **dict.fromkeys((*_PARAMS, "optimizer_param_groups"), ".training.params"),
     "KHATrainer": ".training.trainer",
     "convert": ".conversion.converter",
     "fold": ".conversion.fold",

@@ -1,7 +1,7 @@
 """The `kha` command: builds the parser from one thin module per subcommand and reports `KHAError` as one line.
 
 Each `kha_hf/cli/<command>.py` holds `add_parser(sub)` (arguments only) and `run(args)` (one call into its part:
-conversion, training, eval); nothing here computes.
+conversion, training, eval; an exit code, or None for success); nothing here computes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ..common.errors import KHAError
 from ..common.supported_versions import versions_line
 from . import ab, adapter, assets, convert, demo, fold, inspect, push, serve, tokenize, train, verify
 from . import eval as eval_  # `eval_`: the module of `kha eval`, not the builtin
-from ._common import HelpFormatter, OneLineErrorParser
+from ._common import OneLineErrorParser
 
 EPILOG = """typical workflow:
   kha convert Qwen/Qwen3-0.6B ./qwen3-kha --knock mlp_v --verify   # upgrade, outputs unchanged
@@ -40,7 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kha",
         description="Knocking-Heads Attention (arXiv 2510.23052) for Hugging Face transformers.",
         epilog=EPILOG,
-        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--version", action="version", version=versions_line(), help="kha-hf's version and those it runs on"
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     register_auto_classes()  # deferred by the `kha` entry point until the arguments are known to be good
     _quiet_interrupted_progress_bars()
     try:
-        return args.func(args)
+        return args.func(args) or 0  # a command's run returns an exit code, or None for success
     except KHAError as err:
         # one line whatever the message holds: a library's words (transformers' strict-dataclass errors) may not be
         message = " ".join(str(err).split())

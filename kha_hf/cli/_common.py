@@ -126,8 +126,23 @@ def non_negative_float(text: str) -> float:
     return _number(text, float, 0, True, "a number")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples' line breaks and shows each option's default (where it has one worth showing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.option_strings or action.nargs == "?"
+        if "%(default)" in text or not shown or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
-    """Bad arguments end in one line, `kha <command>: error: ...` (exit 2), like every other error of kha."""
+    """Bad arguments end in one line, `kha <command>: error: ...` (exit 2), like every other error of kha; help
+    keeps the examples' line breaks (`HelpFormatter`, every subcommand's too)."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
@@ -147,17 +162,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
             if isinstance(action, argparse._SubParsersAction):
                 return dict(action.choices)
         return {}
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the examples' line breaks and shows each option's default (where it has one worth showing)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        shown = action.option_strings or action.nargs == "?"
-        if "%(default)" in text or not shown or action.default in (None, False, argparse.SUPPRESS):
-            return text
-        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def call_with(func, args, *positional: str, **renamed: str):

@@ -20,7 +20,6 @@ from ._common import (
     MAX_BATCH,
     MAX_SEQ_LEN,
     MAX_STEPS,
-    HelpFormatter,
     bounded_int,
     non_negative_float,
     positive_float,
@@ -55,7 +54,6 @@ def add_parser(sub) -> None:
         "  kha ab --from ./smollm2.gguf --seeds 3          # continued training: should I convert first?\n"
         "  kha ab --from ./smollm2.gguf --arms adapters    # knock adapter vs LoRA, IA3, OFT\n"
         "  kha ab gpu-small --from Qwen/Qwen3-0.6B --eval  # on a GPU: 2000 steps x 16 x 1024 tokens",
-        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "base",
@@ -154,8 +152,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..ab.command import run as run_ab
 
     run_ab(args)
-    return 0

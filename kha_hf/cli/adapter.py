@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -14,7 +12,6 @@ def add_parser(sub) -> None:
         "with the KHA model's logits. The reverse is `kha convert BASE DST --adapter OUT`.",
         epilog="examples:\n  kha adapter ./smollm2-kha-trained ./smollm2-knocks --base HuggingFaceTB/SmolLM2-135M\n"
         "  kha convert ./smollm2 ./smollm2-kha-again --adapter ./smollm2-knocks",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("kha_dir", metavar="KHA_DIR", help="a KHA checkpoint folder")
     p.add_argument("out", metavar="OUT", help="adapter folder to write (atomically)")
@@ -23,9 +20,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..peft.adapter_files import write_knock_adapter
 
     out, count = write_knock_adapter(args.kha_dir, args.out, base=args.base, overwrite=args.overwrite)
     print(f"wrote {out}: a knock adapter of {count:,} parameters")
-    return 0

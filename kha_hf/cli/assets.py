@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -16,7 +14,6 @@ def add_parser(sub) -> None:
         epilog="examples:\n  kha assets\n"
         '  kha convert "$(kha assets --gguf)" ./smollm2-kha --knock linear_v\n'
         '  kha convert "$(kha assets --gemma3)" ./gemma3-kha --verify',
-        formatter_class=HelpFormatter,
     )
     only = p.add_mutually_exclusive_group()
     only.add_argument("--gguf", action="store_true", help="print only SmolLM2's GGUF path (for shell substitution)")
@@ -24,8 +21,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..common.assets import assets_text
 
     print(assets_text(args.gguf, args.gemma3))
-    return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
-from ._common import HelpFormatter, call_with, parse_layers
+from ._common import call_with, parse_layers
 
 
 def knock_preset(text: str) -> str:
@@ -32,7 +32,6 @@ def add_parser(sub) -> None:
         "  kha convert ./SmolLM2-135M.Q4_1.gguf ./smollm2-kha\n"
         "  kha convert ./my-llama ./my-llama-kha --push-to-hub me/my-llama-kha\n"
         "  kha convert ./my-llama ./my-llama-kha --adapter ./my-knock-adapter",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("src", metavar="SRC", help="checkpoint folder, Hub id (owner/name) or .gguf file")
     p.add_argument("dst", metavar="DST", help="output folder (written atomically)")
@@ -61,11 +60,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..conversion import convert
 
     result = call_with(convert, args, "src", "dst", trained_knocks="adapter")
     preset = result.config.knock_preset or "custom"
     origin = f", trained, from {args.adapter}" if args.adapter else ""
     print(f"wrote {result.output}: {len(result.knock_tensors)} knock tensors ({preset}{origin})")
-    return 0

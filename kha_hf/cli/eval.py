@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import MAX_BATCH, HelpFormatter, bounded_int, fewshot_count, positive_int, seed_int
+from ._common import MAX_BATCH, bounded_int, fewshot_count, positive_int, seed_int
 
 
 def add_parser(sub) -> None:
@@ -25,7 +25,6 @@ def add_parser(sub) -> None:
         "  kha eval --baseline Qwen/Qwen3-8B --candidate ./qwen3-8b-kha --backend vllm \\\n"
         "      --vllm-python ~/vllm-env/bin/python --vllm-args tensor_parallel_size=8\n"
         "  kha eval --recompute ./kha-eval              # every p again, from per_document.jsonl",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("--baseline", help="baseline model: folder, Hub id or .gguf file")
     p.add_argument("--candidate", help="candidate (KHA) model: folder, Hub id or .gguf file (required)")

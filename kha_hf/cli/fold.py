@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -17,7 +15,6 @@ def add_parser(sub) -> None:
         epilog="examples:\n  kha fold ./llama-kha-linear ./llama-folded\n"
         "  kha fold ./qwen3-kha-mlp-qk ./qwen3-kha-mlp --partial\n"
         "  kha fold ./smollm2-linear ./smollm2-folded.gguf --outtype q8_0",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("kha_dir", metavar="KHA_DIR", help="a KHA checkpoint with linear knocks")
     p.add_argument("out", metavar="OUT", help="output folder, or a .gguf file (written atomically)")
@@ -38,9 +35,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..conversion.fold import fold
 
     options = {"outtype": args.outtype, "tokenizer_pre": args.tokenizer_pre}
     print(fold(args.kha_dir, args.out, args.partial, args.overwrite, args.link, **options).summary)
-    return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter, non_negative_int
+from ._common import non_negative_int
 
 
 def add_parser(sub) -> None:
@@ -14,7 +14,6 @@ def add_parser(sub) -> None:
         epilog="examples:\n  kha inspect ./smollm2-kha-trained\n  kha inspect ./smollm2-kha-trained --plot knocks.png"
         "\n  kha inspect ./smollm2-kha-trained --plot all-layers.png --max-layers 0"
         "\n  kha inspect ./smollm2-kha-trained --json > knocks.json",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("kha_dir", metavar="KHA_DIR", help="a KHA checkpoint folder (only its knock tensors are read)")
     p.add_argument("--plot", metavar="PATH.png", help="write a heatmap grid (knocks x layers)")
@@ -29,8 +28,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..conversion.knock_stats import inspect
 
     inspect(args.kha_dir, args.plot, args.overwrite, args.max_layers, args.json)
-    return 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -12,7 +10,6 @@ def add_parser(sub) -> None:
         description="Create the model repo if needed and upload every file of FOLDER (weights, config, remote code, "
         "tokenizer, model card).",
         epilog="example:\n  kha push ./smollm2-kha-trained me/smollm2-kha --private",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("folder", metavar="FOLDER", help="checkpoint folder to upload (must hold config.json)")
     p.add_argument("repo_id", metavar="REPO_ID", help="Hub model repo, owner/name (created if missing)")
@@ -20,8 +17,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..conversion.hub import push_folder
 
     print(f"uploaded {args.folder} to {args.repo_id}: {push_folder(args.folder, args.repo_id, private=args.private)}")
-    return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter, port_number, positive_float, positive_int
+from ._common import port_number, positive_float, positive_int
 
 # the options passed on by name: to `serve`, and to its `ServeLimits` (--render-memory is given in MiB)
 SERVE_OPTIONS = ("host", "port", "continuous_batching", "device", "dtype", "trust_remote_code", "ready_timeout")
@@ -43,7 +43,6 @@ def add_parser(sub) -> None:
         "  from openai import OpenAI\n"
         '  client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")\n'
         '  client.chat.completions.create(model="./smollm2-kha", messages=[{"role": "user", "content": "Hi"}])',
-        formatter_class=HelpFormatter,
     )
     p.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub id (KHA or a supported base)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
@@ -102,7 +101,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..serving.guard import ServeLimits
     from ..serving.server import serve
 
@@ -112,4 +111,3 @@ def run(args) -> int:
         limits=ServeLimits(**limits, render_memory=args.render_memory << 20),
         **{name: getattr(args, name) for name in SERVE_OPTIONS},
     )
-    return 0

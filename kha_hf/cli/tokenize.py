@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter, bounded_int, call_with, positive_float, positive_int
+from ._common import bounded_int, call_with, positive_float, positive_int
 
 
 def add_parser(sub) -> None:
@@ -21,7 +21,6 @@ def add_parser(sub) -> None:
         '  kha tokenize ./wiki.parquet --tokenizer "$(kha assets --gguf)" --output ./corpus-smollm2\n'
         "  kha tokenize HuggingFaceFW/fineweb-edu --tokenizer ./my-model --output ./fineweb   # streamed\n"
         "  kha train ./my-model-kha --data ./corpus --output ./trained",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("sources", nargs="+", metavar="SRC", help="files, folders or a Hub dataset (owner/name)")
     p.add_argument("--tokenizer", required=True, metavar="NAME_OR_PATH", help="a model folder, Hub id or .gguf file")
@@ -44,8 +43,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..data.prepare import tokenize_corpus
 
     call_with(tokenize_corpus, args, "sources", "tokenizer", "output", hub_split="split")
-    return 0

@@ -7,7 +7,6 @@ from ._common import (
     MAX_BATCH,
     MAX_SEQ_LEN,
     MAX_STEPS,
-    HelpFormatter,
     bounded_int,
     call_with,
     non_negative_float,
@@ -33,7 +32,6 @@ def add_parser(sub) -> None:
         "  kha train ./qwen3-kha --output ./qwen3-kha-lora --mode lora --data ./my_corpus/ --bf16\n"
         "  kha train cpu-tiny --knock mlp_v --mode full --data ./prepared --output ./scratch   # from a preset\n"
         "  accelerate launch --config_file fsdp.yaml -m kha_hf train ./qwen3-kha --output ./out --mode full",
-        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "model",
@@ -104,8 +102,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..training.train import train
 
     call_with(train, args, "model", "output")
-    return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import HelpFormatter, call_with
+from ._common import call_with
 
 
 def add_parser(sub) -> None:
@@ -12,7 +12,6 @@ def add_parser(sub) -> None:
         description="Load BASE and KHA_DIR, run fixed prompts, print max |Δlogit| and both greedy continuations; "
         "exit non-zero unless logits are identical (float32) or within 1e-2 (half precision).",
         epilog="example:\n  kha verify ./my-llama ./my-llama-kha --device cpu",
-        formatter_class=HelpFormatter,
     )
     p.add_argument("base", metavar="BASE", help="base checkpoint folder, Hub id or .gguf file")
     p.add_argument("kha_dir", metavar="KHA_DIR", help="converted KHA checkpoint")
@@ -25,8 +24,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args) -> None:
     from ..conversion import verify_conversion
 
     call_with(verify_conversion, args, "base", "kha_dir")
-    return 0

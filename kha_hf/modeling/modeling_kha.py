@@ -616,45 +616,34 @@ def family_classes(model_type: str) -> tuple[type, type, type]:
         ) from err
     if not called:
         raise ValueError(f"model type {model_type!r}: its attention calls none of {', '.join(sorted(projections))}")
-    attention = type(
-        f"KHA{attention_family.__name__}",
-        (KnockedAttention, attention_family),
-        {**methods, "_kha_layout": spec.layout, "_kha_called": frozenset(called), "__module__": __name__},
+    knocked = {**methods, "_kha_layout": spec.layout, "_kha_called": frozenset(called)}
+    attention = _kha_class(KnockedAttention, attention_family, model_type, knocked, own=())
+    body = _kha_class(
+        KHAModel, body_family, model_type, {"_attention_class": attention, "_family_attention": attention_family}
     )
-    body = type(
-        f"KHA{body_family.__name__}",
-        (KHAModel, body_family),
-        {
-            "_family": model_type,
-            "_attention_class": attention,
-            "_family_attention": attention_family,
-            "__module__": __name__,
-        },
-    )
-    lm = None
-    if lm_family is not None:
-        lm = type(
-            f"KHA{lm_family.__name__}",
-            (KHAForCausalLM, lm_family),
-            {"_family": model_type, "_body_class": body, "__module__": __name__},
-        )
-    built = (attention, body, lm)
-    _finish_family_classes(model_type, built, (None, body_family, lm_family))
-    return built
+    lm = lm_family and _kha_class(KHAForCausalLM, lm_family, model_type, {"_body_class": body})
+    return _register_family(model_type, (attention, body, lm))
 
 
-def _finish_family_classes(model_type: str, built: tuple, families: tuple) -> None:
-    """Give each KHA class its family's own attributes, make it importable by name, register it."""
-    module = sys.modules[__name__]
-    for cls, family in zip(built[1:], families[1:], strict=True):
-        for name in (*_FAMILY_ATTRIBUTES, "_no_split_modules", "forward"):  # the family's own, not the public's
-            if cls is not None and hasattr(family, name):
-                setattr(cls, name, getattr(family, name))
-    for cls in built:
-        if cls is not None:
-            setattr(module, cls.__name__, cls)  # importable by name: pickle, torch.save of whole models
+def _kha_class(public: type, family: type, model_type: str, attributes: dict, own: tuple | None = None) -> type:
+    """`KHA<family>`: the subclass of PUBLIC (a KHA class) and FAMILY (its transformers class) with ATTRIBUTES, made
+    importable by name (pickle, torch.save of whole models). It takes the family's own values of OWN (default: the
+    attributes families declare about themselves, `_no_split_modules` and `forward`), not the public class's."""
+    cls = type(f"KHA{family.__name__}", (public, family), {"_family": model_type, "__module__": __name__, **attributes})
+    for name in (*_FAMILY_ATTRIBUTES, "_no_split_modules", "forward") if own is None else own:
+        if hasattr(family, name):
+            setattr(cls, name, getattr(family, name))
+    setattr(sys.modules[__name__], cls.__name__, cls)
+    return cls
+
+
+def _register_family(model_type: str, built: tuple) -> tuple:
+    """Keep MODEL_TYPE's classes BUILT (attention, body, causal LM) and register the body and the LM."""
     _BUILT[model_type] = built
-    _register_family(model_type, *(cls for cls in built[1:] if cls is not None))
+    for cls in built[1:]:
+        if cls is not None:
+            _register_classes(cls, model_type)
+    return built
 
 
 def _multimodal_classes(model_type: str) -> tuple[type | None, type, type]:
@@ -664,20 +653,9 @@ def _multimodal_classes(model_type: str) -> tuple[type | None, type, type]:
     lm_family = _transformers_class("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", model_type)
     body = None
     if body_family is not lm_family:  # Llama 4 has no body class: transformers' AutoModel gives the whole model
-        body = type(
-            f"KHA{body_family.__name__}",
-            (KHAMultimodalModel, body_family),
-            {"_family": model_type, "__module__": __name__},
-        )
-    lm = type(
-        f"KHA{lm_family.__name__}",
-        (KHAForConditionalGeneration, lm_family),
-        {"_family": model_type, "_body_class": body, "__module__": __name__},
-    )
-    body = body or lm
-    built = (None, body, lm)
-    _finish_family_classes(model_type, built, (None, body_family, lm_family))
-    return built
+        body = _kha_class(KHAMultimodalModel, body_family, model_type, {})
+    lm = _kha_class(KHAForConditionalGeneration, lm_family, model_type, {"_body_class": body})
+    return _register_family(model_type, (None, body or lm, lm))
 
 
 _HEADS_BUILT: dict[tuple[str, str], type] = {}  # (model_type, public head name) -> its class, built once
@@ -696,32 +674,20 @@ def head_class(model_type: str, public: str) -> type:
         kind = public.removeprefix("KHAFor")
         have = ", ".join(family_heads(model_type)) or "none"
         raise ValueError(f"transformers has no {kind} class for {model_type!r}, so KHA has none (its heads: {have})")
-    family = getattr(transformers, family_name)
-    cls = type(
-        f"KHA{family.__name__}",
-        (PUBLIC_HEADS[public], family),
-        {"_family": model_type, "_body_class": body, "__module__": __name__},
-    )
     # the family's own values; base_model_prefix too (question answering keeps `transformer` for old checkpoints)
-    for name in (*_FAMILY_ATTRIBUTES, "_no_split_modules", "forward", "base_model_prefix"):
-        if hasattr(family, name):
-            setattr(cls, name, getattr(family, name))
-    setattr(sys.modules[__name__], cls.__name__, cls)  # importable by name: pickle
+    own = (*_FAMILY_ATTRIBUTES, "_no_split_modules", "forward", "base_model_prefix")
+    family = getattr(transformers, family_name)
+    cls = _kha_class(PUBLIC_HEADS[public], family, model_type, {"_body_class": body}, own)
     _HEADS_BUILT[(model_type, public)] = cls
     _register_classes(cls, model_type)
     return cls
 
 
-def _register_family(model_type: str, *classes: type) -> None:
+def _register_classes(cls: type, model_type: str) -> None:
     # transformers converts some families' on-disk layout at load (e.g. Mixtral's per-expert w1/w2/w3 into fused
     # expert tensors, Gemma 3's `language_model.model.` prefix) and back at save, keyed by model_type, which for KHA
     # is "kha". Register the family's mapping under our class names so KHA models read and write exactly the base
     # family's checkpoint layout.
-    for cls in classes:
-        _register_classes(cls, model_type)
-
-
-def _register_classes(cls: type, model_type: str) -> None:
     from transformers.conversion_mapping import (
         get_checkpoint_conversion_mapping,
         register_checkpoint_conversion_mapping,
@@ -761,22 +727,16 @@ _CORE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
 def _advertise_family_attributes() -> None:
-    for public, mapping in ((KHAModel, "MODEL_MAPPING_NAMES"), (KHAForCausalLM, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")):
+    publics = [(KHAModel, "MODEL_MAPPING_NAMES", ()), (KHAForCausalLM, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", ())]
+    publics += [(cls, TASK_HEADS[name][1], ("base_model_prefix",)) for name, cls in PUBLIC_HEADS.items()]
+    for public, mapping, extra in publics:
         families = [_transformers_class(mapping, model_type) for model_type in _CORE_FAMILIES]
-        for name in _FAMILY_ATTRIBUTES:
+        for name in (*_FAMILY_ATTRIBUTES, *extra):
             values = [getattr(family, name) for family in families]
             if all(value == values[0] for value in values):
                 setattr(public, name, values[0])
         public._no_split_modules = sorted({layer for family in families for layer in family._no_split_modules})
         public.forward = families[0].forward  # the signature every family shares (MoE families add router outputs)
-    for public in PUBLIC_HEADS.values():
-        families = [_transformers_class(TASK_HEADS[public.__name__][1], model_type) for model_type in _CORE_FAMILIES]
-        for name in (*_FAMILY_ATTRIBUTES, "base_model_prefix"):
-            values = [getattr(family, name) for family in families]
-            if all(value == values[0] for value in values):
-                setattr(public, name, values[0])
-        public._no_split_modules = sorted({layer for family in families for layer in family._no_split_modules})
-        public.forward = families[0].forward
 
 
 _advertise_family_attributes()
