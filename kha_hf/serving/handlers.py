@@ -195,8 +195,7 @@ class KHAHandler:
                 408, f"the prompt did not render within --request-timeout ({limits.request_timeout:g} s)", param
             ) from None
         except RenderFailed as err:
-            message = f"it needed more than --render-memory ({limits.render_memory >> 20} MiB)" if err.memory else err
-            raise RequestError(400, f"the prompt could not be rendered: {message}", param) from None
+            raise RequestError(400, f"the prompt could not be rendered: {err}", param) from None
         finally:
             self.registry.end(key)
 
