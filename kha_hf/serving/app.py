@@ -25,7 +25,6 @@ from __future__ import annotations
 import threading
 
 import uvicorn
-from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from transformers.cli.serve import Serve
 from transformers.cli.serving.model_manager import ModelManager
@@ -35,7 +34,7 @@ from transformers.cli.serving.utils import EngineDeadError, canonical_model_id
 from .connections import KHAUvicornConfig
 from .engine import KHAModelLoader
 from .errors import RequestError
-from .generation import KHAEngineClient
+from .generation import KHAEngineClient, engine_error
 from .guard import RequestRegistry, ServeGuard, ServeLimits
 from .handlers import KHAChatCompletionHandler, KHACompletionHandler, KHAResponseHandler
 from .render_pool import RenderPool
@@ -73,22 +72,9 @@ class KHAModelManager(ModelManager):
         return engine
 
 
-async def openai_error(_request, err: Exception) -> Response:
-    """ERR answered in OpenAI's error format: kha serve's own refusals as they are; transformers' ValueError (the
-    request's fault, {"detail"} in 5.25) a 400, its EngineDeadError (503 {"error"} in 5.25) a 503, FastAPI's
-    HTTPException ({"detail"}) with its status; anything else a 500 (its traceback is logged)."""
-    if not isinstance(err, RequestError):
-        if isinstance(err, EngineDeadError):
-            status, message = 503, f"the model's process died: {err}"
-        elif isinstance(err, HTTPException):
-            status, message = err.status_code, err.detail
-        elif isinstance(err, ValueError):
-            status, message = 400, err
-        else:
-            status, message = 500, "the model failed on this request (see the server log)"
-        kind = "server_error" if status >= 500 else "invalid_request_error"
-        err = RequestError(status, str(message)[:1000], kind=kind)
-    return Response(err.body(), status_code=err.status, media_type="application/json")
+async def openai_error(_request, err: Exception):
+    """ERR answered in OpenAI's error format (see `generation.engine_error`)."""
+    return engine_error(err, in_model=False).response()
 
 
 class KHAServe(Serve):

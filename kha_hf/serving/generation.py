@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from functools import cached_property
 
+from starlette.exceptions import HTTPException
 from transformers.cli.serving.model_manager import EngineClient
 from transformers.cli.serving.utils import Detokenizer, EngineDeadError, Modality, _StreamError, prompt_length
 
@@ -83,12 +84,20 @@ def mark_cut(generation_kwargs: dict, generated: int) -> None:
     generation_kwargs["max_new_tokens"] = generated
 
 
-def engine_error(err: BaseException) -> RequestError:
-    """What a client is answered when the model's process failed its request (the error is logged here)."""
+def engine_error(err: BaseException, in_model: bool = True) -> RequestError:
+    """ERR in OpenAI's error format, for the model's process failing a request and for the app's exception handlers
+    (`app.KHAServe.run`): kha serve's own refusals as they are, transformers' EngineDeadError a 503, FastAPI's
+    HTTPException (`{"detail"}`) with its status, a ValueError a 400 when transformers raised it in the API server
+    (the request's fault, `{"detail"}` in 5.25; not IN_MODEL), anything else a 500 (logged here)."""
     if isinstance(err, RequestError):
         return err
     if isinstance(err, EngineDeadError):
         return RequestError(503, f"the model's process died: {err}"[:300], kind="server_error")
+    if isinstance(err, HTTPException):
+        kind = "server_error" if err.status_code >= 500 else "invalid_request_error"
+        return RequestError(err.status_code, str(err.detail)[:1000], kind=kind)
+    if isinstance(err, ValueError) and not in_model:
+        return RequestError(400, str(err)[:1000])
     logger.error("kha serve: the model failed on a request: %s: %s", type(err).__name__, err)
     return RequestError(500, "the model failed on this request (see the server log)", kind="server_error")
 

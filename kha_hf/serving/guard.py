@@ -198,7 +198,7 @@ class ServeGuard:
                 raise RequestError(415, f"{path} takes a JSON body: send Content-Type: application/json")
             body = await self._read_body(scope, receive)
         except RequestError as err:
-            await _answer(send, err)
+            await err.response()(scope, receive, send)
             return
         await self._generate(scope, receive, send, body)
 
@@ -224,7 +224,7 @@ class ServeGuard:
         try:
             body = self.checked_body(raw, scope["path"].rstrip("/"))
         except RequestError as err:
-            await _answer(send, err)
+            await err.response()(scope, receive, send)
             return
         data = json.dumps(body).encode()
         request_id = uuid.uuid4().hex
@@ -314,10 +314,3 @@ def _without_body(send):
         await send(message)
 
     return send_head
-
-
-async def _answer(send, err: RequestError) -> None:
-    body = err.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
