@@ -9,9 +9,9 @@ or uvicorn is replaced outside these objects):
   `getattr(transformers, config.architectures[0])`;
 - the model manager, `KHAModelManager`: hands out `generation.KHAEngineClient`, transformers' client of the model's
   process with kha serve's limits (context, new tokens, time, disconnects, /health tracking), for the served model
-  only;
-- the chat, completion and response handlers (`handlers.py`): 5.25's take a client's `chat_template_kwargs`,
-  render on one thread without a time limit, and pass sampling settings on unchecked;
+  (the only one: 5.25 pins it, `force_model`, and the guard names it in every request);
+- the chat, completion and response handlers (`handlers.py`): 5.25's render on one thread without a time limit,
+  and pass sampling settings on unchecked;
 - the app of transformers' `build_server`, which exposes model loading and unloading to any client and passes any
   field on: `guard.ServeGuard` (with the allowlists of `fields.py`) is put in front of it, and its errors
   (`{"detail": ...}`) are answered in OpenAI's error format;
@@ -65,12 +65,6 @@ class KHAModelManager(ModelManager):
         if engine_connection is None:
             engine.start()
 
-    def get_engine(self, model: str | None):
-        engine = super().get_engine(model)
-        if not isinstance(engine, KHAEngineClient):  # kha serve serves the model it preloaded, and no other
-            raise RequestError(404, f"model {model!r} is not served here", "model", "model_not_found")
-        return engine
-
 
 async def openai_error(_request, err: Exception):
     """ERR answered in OpenAI's error format (see `generation.engine_error`)."""
@@ -101,13 +95,12 @@ class KHAServe(Serve):
             # the render workers start once the server answers (`start_server`), or with the first render
             self.renders = RenderPool(manager.get_engine(None).processor, memory=limits.render_memory)
             shared = {"model_manager": manager, "generation_state": self.generation_state, "renders": self.renders}
-            shared.update(limits=limits, registry=self.kha_registry)
-            template = {"chat_template_kwargs": self.chat_template_kwargs}
+            shared.update(limits=limits, registry=self.kha_registry, chat_template_kwargs=self.chat_template_kwargs)
             app = build_server(
                 manager,
-                KHAChatCompletionHandler(**shared, **template),
-                completion_handler=KHACompletionHandler(**shared),
-                response_handler=KHAResponseHandler(**shared, **template),
+                KHAChatCompletionHandler(**shared),
+                completion_handler=KHACompletionHandler(**shared),  # renders no template: its kwargs go unused
+                response_handler=KHAResponseHandler(**shared),
                 transcription_handler=None,  # not served: the guard answers their paths 404
                 systemone_handler=None,
                 enable_cors=self.enable_cors,

@@ -12,7 +12,6 @@ allowlist, `fields.py`):
   the one 5.25's own `render_messages` builds (recorded, `recording`). A prompt that does not render (the model's
   template or processor refuses the messages) answers 400, as does an empty completion prompt on a tokenizer
   without a BOS token (5.25 sends the model an empty prompt);
-- the chat template gets the server's `chat_template_kwargs` only (5.25 merges a client's over them);
 - `logit_bias` token ids must exist in the model's vocabulary;
 - `temperature > 0` (or a `top_p`) samples, whatever the model's generation config says (5.25 alone stays greedy
   when the model's config does, silently ignoring the request's temperature);
@@ -198,9 +197,6 @@ class KHAHandler:
             raise RequestError(400, f"the prompt could not be rendered: {err}", param) from None
         finally:
             self.registry.end(key)
-
-    def _chat_template_kwargs(self, body: dict) -> dict:
-        return dict(self.chat_template_kwargs)  # the server's own (kha serve sets none), never a client's
 
     async def _limited(self, body: dict, request_id: str, engine, inputs, started: float):
         """(the engine bound to this request, its generation settings), checked and fitted to the limits."""
