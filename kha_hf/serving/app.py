@@ -44,23 +44,12 @@ LOADER_KEYWORDS = ("device", "dtype", "trust_remote_code", "continuous_batching"
 
 class KHAModelManager(ModelManager):
     """transformers' ModelManager, whose model (the one it was started with) is followed through a
-    `generation.KHAEngineClient`: kha serve's LIMITS apply to every request (followed in REGISTRY)."""
-
-    def __init__(self, *args, limits: ServeLimits, registry: RequestRegistry, **kwargs) -> None:
-        self.kha_limits, self.kha_registry = limits, registry
-        super().__init__(*args, **kwargs)
+    `generation.KHAEngineClient`."""
 
     def preload_engine(self, force_model: str, engine_connection: tuple | None) -> None:
         # As transformers 5.25.0's ModelManager.preload_engine, with kha serve's client of the model's process
         model_id = canonical_model_id(force_model)
-        engine = KHAEngineClient(
-            model_id,
-            self.loader,
-            self.generation_state,
-            connection=engine_connection,
-            registry=self.kha_registry,
-            limits=self.kha_limits,
-        )
+        engine = KHAEngineClient(model_id, self.loader, self.generation_state, connection=engine_connection)
         self.engines[model_id] = engine
         if engine_connection is None:
             engine.start()
@@ -88,9 +77,8 @@ class KHAServe(Serve):
         limits = self.kha_limits
         self.loader = KHAModelLoader(**self.kha_loading)
         manager = self.model_manager = KHAModelManager(
-            self.loader, self.generation_state, force_model=self.force_model, engine_connection=engine_connection,
-            limits=limits, registry=self.kha_registry,
-        )  # fmt: skip
+            self.loader, self.generation_state, force_model=self.force_model, engine_connection=engine_connection
+        )
         try:
             # the render workers start once the server answers (`start_server`), or with the first render
             self.renders = RenderPool(manager.get_engine(None).processor, memory=limits.render_memory)

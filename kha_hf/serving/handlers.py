@@ -19,7 +19,7 @@ allowlist, `fields.py`):
   while sampling) answers 400 naming the field when a request asks for something else, instead of being ignored
   or leaking into other clients' requests;
 - the prompt and the new tokens are fitted to the context (and the paged cache), and the generation runs under the
-  request's time limit, through `generation.KHAEngineClient.for_request`.
+  request's time limit, through `generation.Generation`.
 
 `app.KHAServe` builds these in place of transformers' classes.
 """
@@ -37,7 +37,7 @@ from transformers.cli.serving.utils import prompt_length
 
 from .engine import SEED_KWARG
 from .errors import RequestError
-from .generation import fit_request
+from .generation import Generation, fit_request
 from .guard import RequestRegistry, ServeLimits
 from .render_pool import RenderFailed, RenderPool, RenderTimedOut
 
@@ -205,7 +205,7 @@ class KHAHandler:
         asked = next((body[key] for key in ASKED_TOKENS if body.get(key) is not None), None)
         fit_request(engine.model_config, prompt_length(inputs), asked, generation_kwargs, self.limits, cache_tokens)
         self._log_request(request_id, engine, inputs, generation_kwargs, body.get("stream"), body)
-        bound = engine.for_request(request_id, started + self.limits.request_timeout)
+        bound = Generation(engine, request_id, started + self.limits.request_timeout, self.registry)
         return await self._answer(body, request_id, bound, inputs, generation_kwargs)
 
     async def _answer(self, body: dict, request_id: str, engine, inputs, generation_kwargs: dict):
