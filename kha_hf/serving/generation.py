@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException
 from transformers.cli.serving.model_manager import EngineClient
 from transformers.cli.serving.utils import Detokenizer, EngineDeadError, Modality, _StreamError, prompt_length
 
-from .engine import engine_cb_info, engine_request_gone, engine_trim_stop_string_cache
+from .engine import engine_cb_info, engine_request_gone
 from .errors import RequestError
 from .guard import RequestRegistry, ServeLimits
 
@@ -132,8 +132,6 @@ class Generation:
         self.task.add_done_callback(self._ended)
         self.timer = loop.call_later(budget, self._time_up)
         self.registry.on_cancel(self.request_id, lambda: loop.call_soon_threadsafe(self.stop, False))
-        if generation_kwargs.get("stop_strings"):
-            self.outcome.add_done_callback(lambda _: self.engine.trim_stop_string_cache())
 
     def put_token(self, token: int) -> None:
         if self.over:
@@ -198,7 +196,9 @@ class Generation:
             gone = True
 
         self.registry.end(self, still_running=lambda: not gone)
-        self.engine.kha_background(watch())
+        watcher = asyncio.ensure_future(watch())  # kept by the engine until it ends (the event loop keeps weak ones)
+        self.engine.kha_tasks.add(watcher)
+        watcher.add_done_callback(self.engine.kha_tasks.discard)
 
     def _failure(self, outcome, generation_kwargs: dict) -> RequestError | None:
         """What OUTCOME answers in place of the tokens made (None: they are the answer). A generation cut by its time
@@ -274,21 +274,8 @@ class KHAEngineClient(EngineClient):
                 return Modality.VLM  # else a tokenizer alone (no processor files): text only, as transformers
         return EngineClient.modality.func(self)
 
-    def kha_background(self, coroutine) -> None:
-        """Run COROUTINE on the event loop, keeping a reference until it ends."""
-        task = asyncio.ensure_future(coroutine)
-        self.kha_tasks.add(task)
-        task.add_done_callback(self.kha_tasks.discard)
-
     async def cb_info(self) -> dict:
         """Continuous batching's numbers (`engine.engine_cb_info`), asked of the model's process once."""
         if self.kha_cb is None:
             self.kha_cb = asyncio.ensure_future(self.submit(engine_cb_info))
         return await asyncio.shield(self.kha_cb) or {}
-
-    def trim_stop_string_cache(self) -> None:
-        async def trim() -> None:
-            with contextlib.suppress(Exception):
-                await self.submit(engine_trim_stop_string_cache)
-
-        self.kha_background(trim())

@@ -200,7 +200,7 @@ class KHAHandler:
             check_continuous_batching(body, vocab, engine.generation_config, generation_kwargs, info)
             cache_tokens = info.get("cache_tokens")
         elif generation_kwargs.get("seed") is not None:
-            # applied in the model's process to this request's generation only (engine.seeded_generation_isolated)
+            # applied in the model's process to this request's generation only (engine.generation_isolated)
             generation_kwargs[SEED_KWARG] = int(generation_kwargs.pop("seed"))
         asked = next((body[key] for key in ASKED_TOKENS if body.get(key) is not None), None)
         fit_request(engine.model_config, prompt_length(inputs), asked, generation_kwargs, self.limits, cache_tokens)
