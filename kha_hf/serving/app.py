@@ -5,13 +5,11 @@ gaps of transformers 5.25, all passed in where transformers' and uvicorn's APIs 
 or uvicorn is replaced outside these objects):
 
 - the model loader, `engine.KHAModelLoader` (pickled into the model's process): KHA checkpoints load through the
-  classes kha_hf registered, so their code files never run; 5.25 still resolves a checkpoint's class as
-  `getattr(transformers, config.architectures[0])`;
-- the model manager, `KHAModelManager`: hands out `generation.KHAEngineClient`, transformers' client of the model's
-  process with kha serve's limits (context, new tokens, time, disconnects, /health tracking), for the served model
-  (the only one: 5.25 pins it, `force_model`, and the guard names it in every request);
+  classes kha_hf registered, so their code files never run (5.25 cannot resolve a KHA class);
+- the model manager, `KHAModelManager`, whose client of the model's process is `generation.KHAEngineClient`, for the
+  served model only (5.25 pins it, `force_model`, and the guard names it in every request);
 - the chat, completion and response handlers (`handlers.py`): 5.25's render on one thread without a time limit,
-  and pass sampling settings on unchecked;
+  and apply none of kha serve's limits (context, new tokens, time, disconnects, /health tracking, sampling checks);
 - the app of transformers' `build_server`, which exposes model loading and unloading to any client and passes any
   field on: `guard.ServeGuard` (with the allowlists of `fields.py`) is put in front of it, and its errors
   (`{"detail": ...}`) are answered in OpenAI's error format;
