@@ -49,6 +49,7 @@ logger = logging.getLogger("kha_hf.serving")
 CACHE_WHAT = "continuous batching's KV cache (--cb-num-blocks)"
 WAITED = "the server was busy for this request's whole --request-timeout; retry later"
 GONE_POLL_SECONDS = 0.5
+WATCHERS: set[asyncio.Task] = set()  # `Generation._linger`'s tasks, kept until they end (the loop keeps weak ones)
 # A request whose time runs out before its first token gets this long to make one (it may have started just
 # before: transformers 5.24, where kha serve's limit was a stopping criterion, stopped it after its first token),
 # else 503
@@ -196,9 +197,9 @@ class Generation:
             gone = True
 
         self.registry.end(self, still_running=lambda: not gone)
-        watcher = asyncio.ensure_future(watch())  # kept by the engine until it ends (the event loop keeps weak ones)
-        self.engine.kha_tasks.add(watcher)
-        watcher.add_done_callback(self.engine.kha_tasks.discard)
+        watcher = asyncio.ensure_future(watch())
+        WATCHERS.add(watcher)
+        watcher.add_done_callback(WATCHERS.discard)
 
     def _failure(self, outcome, generation_kwargs: dict) -> RequestError | None:
         """What OUTCOME answers in place of the tokens made (None: they are the answer). A generation cut by its time
@@ -257,14 +258,11 @@ class Stream(Detokenizer):
 
 
 class KHAEngineClient(EngineClient):
-    """transformers' client of the model's process, with kha serve's limits (see the module doc). Also reads a
-    multimodal KHA checkpoint's modality: transformers 5.25 reads it from the class name, which for KHA is
-    KHA<family class>, unknown to its tables."""
+    """transformers' client of the model's process, bound to each request by a `Generation` (see the module doc).
+    Also reads a multimodal KHA checkpoint's modality: transformers 5.25 reads it from the class name, which for KHA
+    is KHA<family class>, unknown to its tables."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        self.kha_tasks: set[asyncio.Task] = set()
-        self.kha_cb: asyncio.Task | None = None
-        super().__init__(*args, **kwargs)
+    kha_cb: asyncio.Task | None = None  # continuous batching's numbers, asked once (`cb_info`)
 
     @cached_property
     def modality(self) -> Modality:
