@@ -5,13 +5,11 @@ gaps of transformers 5.25, all passed in where transformers' and uvicorn's APIs 
 or uvicorn is replaced outside these objects):
 
 - the model loader, `engine.KHAModelLoader` (pickled into the model's process): KHA checkpoints load through the
-  classes kha_hf registered, so their code files never run; 5.25 still resolves a checkpoint's class as
-  `getattr(transformers, config.architectures[0])`;
-- the model manager, `KHAModelManager`: hands out `generation.KHAEngineClient`, transformers' client of the model's
-  process with kha serve's limits (context, new tokens, time, disconnects, /health tracking), for the served model
-  only;
-- the chat, completion and response handlers (`handlers.py`): 5.25's take a client's `chat_template_kwargs`,
-  render on one thread without a time limit, and pass sampling settings on unchecked;
+  classes kha_hf registered, so their code files never run (5.25 cannot resolve a KHA class);
+- the model manager, `KHAModelManager`, whose client of the model's process is `generation.KHAEngineClient`, for the
+  served model only (5.25 pins it, `force_model`, and the guard names it in every request);
+- the chat, completion and response handlers (`handlers.py`): 5.25's render on one thread without a time limit,
+  and apply none of kha serve's limits (context, new tokens, time, disconnects, /health tracking, sampling checks);
 - the app of transformers' `build_server`, which exposes model loading and unloading to any client and passes any
   field on: `guard.ServeGuard` (with the allowlists of `fields.py`) is put in front of it, and its errors
   (`{"detail": ...}`) are answered in OpenAI's error format;
@@ -25,7 +23,6 @@ from __future__ import annotations
 import threading
 
 import uvicorn
-from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from transformers.cli.serve import Serve
 from transformers.cli.serving.model_manager import ModelManager
@@ -35,7 +32,7 @@ from transformers.cli.serving.utils import EngineDeadError, canonical_model_id
 from .connections import KHAUvicornConfig
 from .engine import KHAModelLoader
 from .errors import RequestError
-from .generation import KHAEngineClient
+from .generation import KHAEngineClient, engine_error
 from .guard import RequestRegistry, ServeGuard, ServeLimits
 from .handlers import KHAChatCompletionHandler, KHACompletionHandler, KHAResponseHandler
 from .render_pool import RenderPool
@@ -45,50 +42,20 @@ LOADER_KEYWORDS = ("device", "dtype", "trust_remote_code", "continuous_batching"
 
 class KHAModelManager(ModelManager):
     """transformers' ModelManager, whose model (the one it was started with) is followed through a
-    `generation.KHAEngineClient`: kha serve's LIMITS apply to every request (followed in REGISTRY)."""
-
-    def __init__(self, *args, limits: ServeLimits, registry: RequestRegistry, **kwargs) -> None:
-        self.kha_limits, self.kha_registry = limits, registry
-        super().__init__(*args, **kwargs)
+    `generation.KHAEngineClient`."""
 
     def preload_engine(self, force_model: str, engine_connection: tuple | None) -> None:
         # As transformers 5.25.0's ModelManager.preload_engine, with kha serve's client of the model's process
         model_id = canonical_model_id(force_model)
-        engine = KHAEngineClient(
-            model_id,
-            self.loader,
-            self.generation_state,
-            connection=engine_connection,
-            registry=self.kha_registry,
-            limits=self.kha_limits,
-        )
+        engine = KHAEngineClient(model_id, self.loader, self.generation_state, connection=engine_connection)
         self.engines[model_id] = engine
         if engine_connection is None:
             engine.start()
 
-    def get_engine(self, model: str | None):
-        engine = super().get_engine(model)
-        if not isinstance(engine, KHAEngineClient):  # kha serve serves the model it preloaded, and no other
-            raise RequestError(404, f"model {model!r} is not served here", "model", "model_not_found")
-        return engine
 
-
-async def openai_error(_request, err: Exception) -> Response:
-    """ERR answered in OpenAI's error format: kha serve's own refusals as they are; transformers' ValueError (the
-    request's fault, {"detail"} in 5.25) a 400, its EngineDeadError (503 {"error"} in 5.25) a 503, FastAPI's
-    HTTPException ({"detail"}) with its status; anything else a 500 (its traceback is logged)."""
-    if not isinstance(err, RequestError):
-        if isinstance(err, EngineDeadError):
-            status, message = 503, f"the model's process died: {err}"
-        elif isinstance(err, HTTPException):
-            status, message = err.status_code, err.detail
-        elif isinstance(err, ValueError):
-            status, message = 400, err
-        else:
-            status, message = 500, "the model failed on this request (see the server log)"
-        kind = "server_error" if status >= 500 else "invalid_request_error"
-        err = RequestError(status, str(message)[:1000], kind=kind)
-    return Response(err.body(), status_code=err.status, media_type="application/json")
+async def openai_error(_request, err: Exception):
+    """ERR answered in OpenAI's error format (see `generation.engine_error`)."""
+    return engine_error(err, in_model=False).response()
 
 
 class KHAServe(Serve):
@@ -108,20 +75,18 @@ class KHAServe(Serve):
         limits = self.kha_limits
         self.loader = KHAModelLoader(**self.kha_loading)
         manager = self.model_manager = KHAModelManager(
-            self.loader, self.generation_state, force_model=self.force_model, engine_connection=engine_connection,
-            limits=limits, registry=self.kha_registry,
-        )  # fmt: skip
+            self.loader, self.generation_state, force_model=self.force_model, engine_connection=engine_connection
+        )
         try:
             # the render workers start once the server answers (`start_server`), or with the first render
             self.renders = RenderPool(manager.get_engine(None).processor, memory=limits.render_memory)
             shared = {"model_manager": manager, "generation_state": self.generation_state, "renders": self.renders}
-            shared.update(limits=limits, registry=self.kha_registry)
-            template = {"chat_template_kwargs": self.chat_template_kwargs}
+            shared.update(limits=limits, registry=self.kha_registry, chat_template_kwargs=self.chat_template_kwargs)
             app = build_server(
                 manager,
-                KHAChatCompletionHandler(**shared, **template),
-                completion_handler=KHACompletionHandler(**shared),
-                response_handler=KHAResponseHandler(**shared, **template),
+                KHAChatCompletionHandler(**shared),
+                completion_handler=KHACompletionHandler(**shared),  # renders no template: its kwargs go unused
+                response_handler=KHAResponseHandler(**shared),
                 transcription_handler=None,  # not served: the guard answers their paths 404
                 systemone_handler=None,
                 enable_cors=self.enable_cors,

@@ -114,7 +114,7 @@ class KHAModelLoader(ModelLoader):
 
     def load_model_and_processor(self, model_id: str, on_progress=None):
         model, processor = super().load_model_and_processor(model_id, on_progress=on_progress)
-        seeded_generation_isolated(model)
+        generation_isolated(model)
         if self.kha_continuous_batching:
             from transformers.cli.serving.utils import GenerationState
 
@@ -124,31 +124,36 @@ class KHAModelLoader(ModelLoader):
         return model, processor
 
 
-# a request's seed, as kha serve sends it to the model's process (see `seeded_generation_isolated`)
+# a request's seed, as kha serve sends it to the model's process (see `generation_isolated`)
 SEED_KWARG = "kha_seed"
 
 
-def seeded_generation_isolated(model) -> None:
+def generation_isolated(model) -> None:
     """transformers 5.25 seeds the process-wide torch generator with a request's `seed` (`torch.manual_seed`) and
     leaves it so: every later request's random numbers followed from one client's seed (a client could replay, or
-    choose, another's sampled text). kha serve sends the seed as SEED_KWARG instead (`handlers.Common._limited`):
-    this model's `generate` (this object only) then samples under `torch.random.fork_rng`, seeded with it, and the
+    choose, another's sampled text). kha serve sends the seed as SEED_KWARG instead (`handlers.KHAHandler`): this
+    model's `generate` (this object only) then samples under `torch.random.fork_rng`, seeded with it, and the
     process's own generator (CPU and the model's accelerator) is left as it was. The sequential runner generates
-    one request at a time, so no other request draws random numbers meanwhile."""
+    one request at a time, so no other request draws random numbers meanwhile. After each generation, the stop-string
+    cache is trimmed (`trim_stop_string_cache`; stop strings are refused under continuous batching, which does not
+    call `generate`)."""
     import torch
 
     generate = model.generate
 
-    def generate_isolating_seed(*args, **kwargs):
+    def generate_isolated(*args, **kwargs):
         seed = kwargs.pop(SEED_KWARG, None)
-        if seed is None:
-            return generate(*args, **kwargs)
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(int(seed))
-            return generate(*args, **kwargs)
+        try:
+            if seed is None:
+                return generate(*args, **kwargs)
+            devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(int(seed))
+                return generate(*args, **kwargs)
+        finally:
+            trim_stop_string_cache()
 
-    model.generate = generate_isolating_seed
+    model.generate = generate_isolated
 
 
 def prepare_for_continuous_batching(model) -> None:
@@ -233,7 +238,7 @@ def engine_request_gone(model, processor, request_id: str) -> bool:
     return True
 
 
-def engine_trim_stop_string_cache(model, processor) -> None:
+def trim_stop_string_cache() -> None:
     from transformers.generation import stopping_criteria
 
     cache = stopping_criteria.STOP_STRING_EMBEDDING_CACHE

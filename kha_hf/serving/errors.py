@@ -20,6 +20,9 @@ class RequestError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
-    def body(self) -> bytes:
+    def response(self):
+        """This error as a starlette Response (starlette comes with the serving extras: imported here, not above)."""
+        from starlette.responses import Response
+
         error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
-        return json.dumps({"error": error}).encode()
+        return Response(json.dumps({"error": error}), status_code=self.status, media_type="application/json")

@@ -180,9 +180,7 @@ def arguments(value, name):
             parsed = json.loads(value)
         except (ValueError, RecursionError):
             raise bad(name, "a JSON object or its text", value) from None
-        problem = structure_problem(parsed)
-        if problem is not None:
-            raise RequestError(400, f"{name} {problem}", name)
+        check_structure(parsed, name)
         json_object(parsed, name)
         return value
     return json_object(value, name)
@@ -273,8 +271,9 @@ TOOL_CALL = fields_of(
 )
 
 
-def chat_message(images: bool) -> Check:
-    return fields_of(
+def chat_messages(images: bool) -> Check:
+    """The messages of a chat request; with IMAGES, image parts too (at most MAX_IMAGES in all)."""
+    message = fields_of(
         {
             "role": one_of(*CHAT_ROLES),
             "content": content(TEXT_PARTS["/v1/chat/completions"], images),
@@ -283,11 +282,7 @@ def chat_message(images: bool) -> Check:
         },
         required=("role",),
     )
-
-
-def chat_messages(images: bool) -> Check:
-    """The messages of a chat request; with IMAGES, image parts too (at most MAX_IMAGES in all)."""
-    messages = list_of(chat_message(images), MAX_MESSAGES, min_items=1)
+    messages = list_of(message, MAX_MESSAGES, min_items=1)
 
     def check(value, name):
         # counted before any part is checked: each image's check decodes its base64 and opens it (6,000 one-pixel
@@ -410,32 +405,20 @@ def endpoint_fields(max_new_tokens: int, images: bool = False) -> dict[str, tupl
     }
 
 
-def _walk(value) -> tuple[int, bool]:
-    """(nesting depth, counted until it passes MAX_DEPTH; whether every string in VALUE, keys included, is text)."""
-    deepest, stack = 0, [(value, 1)]
+def check_structure(value, name: str) -> None:
+    """RequestError (400) naming NAME when VALUE is unfit to pass on whatever its field: nesting past MAX_DEPTH, or
+    a string that is not Unicode text (a lone surrogate such as "\\ud800", which JSON allows; transformers fails where
+    it encodes it)."""
+    stack = [(value, 1)]
     while stack:
         item, level = stack.pop()
-        if isinstance(item, str):
-            if not _is_text(item):
-                return deepest, False
-        elif isinstance(item, (dict, list)):
-            deepest = max(deepest, level)
-            if level > MAX_DEPTH:
-                break
+        if isinstance(item, str) and not _is_text(item):
+            raise RequestError(400, f"{name} holds a string that is not Unicode text (a lone surrogate)", name)
+        if isinstance(item, (dict, list)):
+            if level >= MAX_DEPTH:
+                raise RequestError(400, f"{name} is nested more than {MAX_DEPTH} levels deep", name)
             children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
             stack.extend((child, level + 1) for child in children)
-    return deepest, True
-
-
-def structure_problem(value) -> str | None:
-    """What makes VALUE unfit to pass on whatever its field: nesting past MAX_DEPTH, or a string that is not
-    Unicode text (a lone surrogate such as "\\ud800", which JSON allows; transformers fails where it encodes it)."""
-    levels, text = _walk(value)
-    if levels > MAX_DEPTH - 1:
-        return f"is nested more than {MAX_DEPTH} levels deep"
-    if not text:
-        return "holds a string that is not Unicode text (a lone surrogate)"
-    return None
 
 
 def _is_text(text: str) -> bool:
@@ -458,9 +441,7 @@ def checked_fields(body: dict, path: str, max_new_tokens: int, images: bool = Fa
             raise RequestError(400, REFUSED[key], key)
         if key not in spec:
             raise RequestError(400, f"{key} is not accepted by {path} on kha serve (accepted: {', '.join(spec)})", key)
-        problem = structure_problem(value)
-        if problem is not None:
-            raise RequestError(400, f"{key} {problem}", key)
+        check_structure(value, key)
         if value is not None:
             checked = spec[key](value, key)
             if checked is not None:

@@ -23,8 +23,8 @@ not do, kha serve adds here, in the API server, per request:
   server's).
 
 Every request's tokens stream from the model's process, a non-streamed one's too, so that one cut by its time limit
-still answers with what it made. `KHAEngineClient` is transformers' client with these; the handlers (`handlers.py`)
-hand transformers' response builders `KHAEngineClient.for_request(...)`, the client bound to one request.
+still answers with what it made. `KHAEngineClient` is transformers' client of the model's process; the handlers
+(`handlers.py`) hand transformers' response builders a `Generation`, that client bound to one request.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ import time
 from collections.abc import Callable
 from functools import cached_property
 
+from starlette.exceptions import HTTPException
 from transformers.cli.serving.model_manager import EngineClient
 from transformers.cli.serving.utils import Detokenizer, EngineDeadError, Modality, _StreamError, prompt_length
 
-from .engine import engine_cb_info, engine_request_gone, engine_trim_stop_string_cache
+from .engine import engine_cb_info, engine_request_gone
 from .errors import RequestError
 from .guard import RequestRegistry, ServeLimits
 
@@ -48,6 +49,7 @@ logger = logging.getLogger("kha_hf.serving")
 CACHE_WHAT = "continuous batching's KV cache (--cb-num-blocks)"
 WAITED = "the server was busy for this request's whole --request-timeout; retry later"
 GONE_POLL_SECONDS = 0.5
+WATCHERS: set[asyncio.Task] = set()  # `Generation._linger`'s tasks, kept until they end (the loop keeps weak ones)
 # A request whose time runs out before its first token gets this long to make one (it may have started just
 # before: transformers 5.24, where kha serve's limit was a stopping criterion, stopped it after its first token),
 # else 503
@@ -77,48 +79,52 @@ def fit_request(
     generation_kwargs["max_new_tokens"] = min(asked or allowed, allowed)
 
 
-def mark_cut(generation_kwargs: dict, generated: int) -> None:
-    """A generation stopped by its time limit after GENERATED tokens: transformers' handlers report "length" when
-    the tokens reach max_new_tokens, so max_new_tokens (of this request's own settings) becomes GENERATED."""
-    generation_kwargs["max_new_tokens"] = generated
-
-
-def engine_error(err: BaseException) -> RequestError:
-    """What a client is answered when the model's process failed its request (the error is logged here)."""
+def engine_error(err: BaseException, in_model: bool = True) -> RequestError:
+    """ERR in OpenAI's error format, for the model's process failing a request and for the app's exception handlers
+    (`app.KHAServe.run`): kha serve's own refusals as they are, transformers' EngineDeadError a 503, FastAPI's
+    HTTPException (`{"detail"}`) with its status, a ValueError a 400 when transformers raised it in the API server
+    (the request's fault, `{"detail"}` in 5.25; not IN_MODEL), anything else a 500 (logged here)."""
     if isinstance(err, RequestError):
         return err
     if isinstance(err, EngineDeadError):
         return RequestError(503, f"the model's process died: {err}"[:300], kind="server_error")
+    if isinstance(err, HTTPException):
+        kind = "server_error" if err.status_code >= 500 else "invalid_request_error"
+        return RequestError(err.status_code, str(err.detail)[:1000], kind=kind)
+    if isinstance(err, ValueError) and not in_model:
+        return RequestError(400, str(err)[:1000])
     logger.error("kha serve: the model failed on a request: %s: %s", type(err).__name__, err)
     return RequestError(500, "the model failed on this request (see the server log)", kind="server_error")
 
 
 class Generation:
-    """One request's generation in the model's process, as the API server follows it: its tokens as they come
-    (transformers' EngineClient calls `put_token`), its time limit, its cancellation, its tracking for /health.
-    ON_TOKEN(token) gets each token; ON_END(outcome) runs once, `outcome` being "done", "cut" (its time ran out),
-    "cancelled" (its client left) or the error that failed it; so is `outcome`, a future."""
+    """One request's generation in the model's process, as the API server follows it: ENGINE bound to the request
+    (its id, its DEADLINE in time.monotonic(), tracked in REGISTRY), whose `generate_streaming` /
+    `generate_non_streaming` transformers' response builders call; the rest is ENGINE's. Followed here: its tokens as
+    they come (transformers' EngineClient calls `put_token`), its time limit, its cancellation, its tracking for
+    /health. `on_token(token)` gets each token; `on_end(outcome)` runs once, `outcome` being "done", "cut" (its time
+    ran out), "cancelled" (its client left) or the error that failed it; so is `outcome`, a future."""
 
-    def __init__(
-        self,
-        engine: KHAEngineClient,
-        request_id: str,
-        on_token: Callable[[int], None] | None = None,
-        on_end: Callable[[object], None] | None = None,
-    ) -> None:
-        self.engine, self.registry, self.request_id = engine, engine.kha_registry, request_id
-        self.on_token, self.on_end = on_token, on_end
+    on_token: Callable[[int], None] | None = None
+    on_end: Callable[[object], None] | None = None
+    task: asyncio.Task | None = None
+    timer: asyncio.TimerHandle | None = None
+
+    def __init__(self, engine: KHAEngineClient, request_id: str, deadline: float, registry: RequestRegistry) -> None:
+        self.engine, self.request_id, self.deadline, self.registry = engine, request_id, deadline, registry
         self.tokens: list[int] = []
         self.over = False
         self.outcome: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.task: asyncio.Task | None = None
-        self.timer: asyncio.TimerHandle | None = None
 
-    def start(self, inputs: dict, generation_kwargs: dict, deadline: float) -> None:
-        """Send the request (its tokens streamed here), to be cut at DEADLINE (time.monotonic())."""
-        budget = deadline - time.monotonic()
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def start(self, inputs: dict, generation_kwargs: dict, on_token=None, on_end=None) -> None:
+        """Send the request (its tokens streamed here), to be cut at the deadline."""
+        budget = self.deadline - time.monotonic()
         if budget <= 0:
             raise RequestError(503, WAITED, kind="server_error")
+        self.on_token, self.on_end = on_token, on_end
         loop = asyncio.get_running_loop()
         self.registry.begin(self)
         # copies: the requests queue pickles its items later, in its feeder thread
@@ -191,29 +197,72 @@ class Generation:
             gone = True
 
         self.registry.end(self, still_running=lambda: not gone)
-        self.engine.kha_background(watch())
+        watcher = asyncio.ensure_future(watch())
+        WATCHERS.add(watcher)
+        watcher.add_done_callback(WATCHERS.discard)
+
+    def _failure(self, outcome, generation_kwargs: dict) -> RequestError | None:
+        """What OUTCOME answers in place of the tokens made (None: they are the answer). A generation cut by its time
+        limit has max_new_tokens (of this request's own settings) set to the tokens it made: transformers' response
+        builders then report finish_reason "length"."""
+        if isinstance(outcome, BaseException):
+            return engine_error(outcome)
+        if outcome == "cancelled":
+            return RequestError(499, "the client disconnected")
+        if outcome == "cut":
+            if not self.tokens:
+                return RequestError(503, WAITED, kind="server_error")
+            generation_kwargs["max_new_tokens"] = len(self.tokens)
+        return None
+
+    def generate_streaming(self, inputs: dict, generation_kwargs: dict, response_parser=None):
+        """As transformers' `EngineClient.generate_streaming`: (the queue of the answer's items, its streamer)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        processor = self.engine.processor
+        streamer = Stream(getattr(processor, "tokenizer", processor)._tokenizer, queue, response_parser=response_parser)
+
+        def ended(outcome) -> None:
+            failure = None if outcome == "cancelled" else self._failure(outcome, generation_kwargs)
+            if failure is None:
+                streamer.end()  # the stream ends with its finish_reason (and usage)
+            else:
+                queue.put_nowait(_StreamError(failure.message))
+
+        streamer.generation = self
+        self.start(inputs, generation_kwargs, streamer.put_token, ended)
+        return queue, streamer
+
+    async def generate_non_streaming(self, inputs: dict, generation_kwargs: dict) -> tuple[str, int, list[int]]:
+        """As transformers' `EngineClient.generate_non_streaming`: (the text, the prompt's length, the tokens)."""
+        self.start(inputs, generation_kwargs)
+        try:
+            outcome = await asyncio.shield(self.outcome)
+        except asyncio.CancelledError:  # the handler is cancelled: its client left
+            self.stop(False)
+            raise
+        failure = self._failure(outcome, generation_kwargs)
+        if failure is not None:
+            raise failure
+        ids = list(self.tokens)
+        text = self.engine.processor.decode(ids, skip_special_tokens=True)
+        return text, prompt_length(inputs), ids
 
 
 class Stream(Detokenizer):
     """transformers' Detokenizer of a streamed request, whose `cancel` (the client left) stops its `Generation`."""
 
-    generation: Generation | None = None
+    generation: Generation
 
     def cancel(self) -> None:
-        if self.generation is not None:
-            self.generation.stop(False)
+        self.generation.stop(False)
 
 
 class KHAEngineClient(EngineClient):
-    """transformers' client of the model's process, with kha serve's limits (see the module doc). Also reads a
-    multimodal KHA checkpoint's modality: transformers 5.25 reads it from the class name, which for KHA is
-    KHA<family class>, unknown to its tables."""
+    """transformers' client of the model's process, bound to each request by a `Generation` (see the module doc).
+    Also reads a multimodal KHA checkpoint's modality: transformers 5.25 reads it from the class name, which for KHA
+    is KHA<family class>, unknown to its tables."""
 
-    def __init__(self, *args, registry: RequestRegistry, limits: ServeLimits, **kwargs) -> None:
-        self.kha_registry, self.kha_limits = registry, limits
-        self.kha_tasks: set[asyncio.Task] = set()
-        self.kha_cb: asyncio.Task | None = None
-        super().__init__(*args, **kwargs)
+    kha_cb: asyncio.Task | None = None  # continuous batching's numbers, asked once (`cb_info`)
 
     @cached_property
     def modality(self) -> Modality:
@@ -223,83 +272,8 @@ class KHAEngineClient(EngineClient):
                 return Modality.VLM  # else a tokenizer alone (no processor files): text only, as transformers
         return EngineClient.modality.func(self)
 
-    def kha_background(self, coroutine) -> None:
-        """Run COROUTINE on the event loop, keeping a reference until it ends."""
-        task = asyncio.ensure_future(coroutine)
-        self.kha_tasks.add(task)
-        task.add_done_callback(self.kha_tasks.discard)
-
     async def cb_info(self) -> dict:
         """Continuous batching's numbers (`engine.engine_cb_info`), asked of the model's process once."""
         if self.kha_cb is None:
             self.kha_cb = asyncio.ensure_future(self.submit(engine_cb_info))
         return await asyncio.shield(self.kha_cb) or {}
-
-    def trim_stop_string_cache(self) -> None:
-        async def trim() -> None:
-            with contextlib.suppress(Exception):
-                await self.submit(engine_trim_stop_string_cache)
-
-        self.kha_background(trim())
-
-    def for_request(self, request_id: str, deadline: float) -> RequestEngine:
-        return RequestEngine(self, request_id, deadline)
-
-
-class RequestEngine:
-    """A `KHAEngineClient` bound to one request (its id, its deadline): transformers' response builders
-    (`_streaming`, `_non_streaming`) call its `generate_streaming` / `generate_non_streaming`; the rest is the
-    client's."""
-
-    def __init__(self, engine: KHAEngineClient, request_id: str, deadline: float) -> None:
-        self.engine, self.request_id, self.deadline = engine, request_id, deadline
-
-    def __getattr__(self, name: str):
-        return getattr(self.engine, name)
-
-    def _start(self, inputs: dict, generation_kwargs: dict, on_token=None, on_end=None) -> Generation:
-        generation = Generation(self.engine, self.request_id, on_token, on_end)
-        generation.start(inputs, generation_kwargs, self.deadline)
-        if generation_kwargs.get("stop_strings"):
-            generation.outcome.add_done_callback(lambda _: self.engine.trim_stop_string_cache())
-        return generation
-
-    def generate_streaming(self, inputs: dict, generation_kwargs: dict, response_parser=None):
-        """As transformers' `EngineClient.generate_streaming`: (the queue of the answer's items, its streamer)."""
-        queue: asyncio.Queue = asyncio.Queue()
-        processor = self.engine.processor
-        streamer = Stream(getattr(processor, "tokenizer", processor)._tokenizer, queue, response_parser=response_parser)
-
-        def ended(outcome) -> None:
-            if isinstance(outcome, BaseException):
-                queue.put_nowait(_StreamError(engine_error(outcome).message))
-                return
-            if outcome == "cut":
-                if streamer.total_tokens == 0:
-                    queue.put_nowait(_StreamError(WAITED))
-                    return
-                mark_cut(generation_kwargs, streamer.total_tokens)
-            streamer.end()  # the stream ends with its finish_reason (and usage)
-
-        streamer.generation = self._start(inputs, generation_kwargs, streamer.put_token, ended)
-        return queue, streamer
-
-    async def generate_non_streaming(self, inputs: dict, generation_kwargs: dict) -> tuple[str, int, list[int]]:
-        """As transformers' `EngineClient.generate_non_streaming`: (the text, the prompt's length, the tokens)."""
-        generation = self._start(inputs, generation_kwargs)
-        try:
-            outcome = await asyncio.shield(generation.outcome)
-        except asyncio.CancelledError:  # the handler is cancelled: its client left
-            generation.stop(False)
-            raise
-        if isinstance(outcome, BaseException):
-            raise engine_error(outcome)
-        if outcome == "cancelled":
-            raise RequestError(499, "the client disconnected")
-        if outcome == "cut":
-            if not generation.tokens:
-                raise RequestError(503, WAITED, kind="server_error")
-            mark_cut(generation_kwargs, len(generation.tokens))
-        ids = list(generation.tokens)
-        text = self.engine.processor.decode(ids, skip_special_tokens=True)
-        return text, prompt_length(inputs), ids

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import threading
 import time
@@ -178,13 +179,10 @@ class ServeGuard:
                 stuck = self.registry.longest_running()
                 if stuck > self.limits.request_timeout + 30:
                     raise RequestError(503, f"a generation has been running for {stuck:.0f} s: the server is stuck")
-            if path in READ_PATHS and method == "HEAD":
+            if path in READ_PATHS and method in ("GET", "HEAD", "OPTIONS"):
                 # transformers' FastAPI routes take GET only and answer HEAD with 405 (transformers 5.24, 5.25); load
                 # balancers probe with HEAD, which is GET without the body
-                await self.app({**scope, "method": "GET"}, receive, send)
-                return
-            if path in READ_PATHS and method in ("GET", "OPTIONS"):
-                await self.app(scope, receive, send)
+                await self.app({**scope, "method": "GET" if method == "HEAD" else method}, receive, send)
                 return
             if path in REFUSED_PATHS:
                 raise RequestError(403, f"kha serve serves {self.served} only; it does not load or unload models")
@@ -196,9 +194,9 @@ class ServeGuard:
                 # a web page may POST text/plain or a form to the loopback server without asking (CSRF); JSON it may
                 # send only after a preflight (OPTIONS), which these paths refuse
                 raise RequestError(415, f"{path} takes a JSON body: send Content-Type: application/json")
-            body = await self._read_body(scope, receive)
+            body = self.checked_body(await self._read_body(scope, receive), path)
         except RequestError as err:
-            await _answer(send, err)
+            await err.response()(scope, receive, send)
             return
         await self._generate(scope, receive, send, body)
 
@@ -220,32 +218,23 @@ class ServeGuard:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _generate(self, scope, receive, send, raw: bytes) -> None:
-        try:
-            body = self.checked_body(raw, scope["path"].rstrip("/"))
-        except RequestError as err:
-            await _answer(send, err)
-            return
+    async def _generate(self, scope, receive, send, body: dict) -> None:
         data = json.dumps(body).encode()
         request_id = uuid.uuid4().hex
         # the body passed on is the checked JSON (its content type was checked: application/json, maybe a charset)
-        passed = (REQUEST_ID_HEADER, b"content-length", b"content-type")
-        headers = [(k, v) for k, v in scope["headers"] if k not in passed]
-        headers += [
-            (REQUEST_ID_HEADER, request_id.encode()),
-            (b"content-length", str(len(data)).encode()),
-            (b"content-type", b"application/json"),
-        ]
-        scope = {**scope, "headers": headers}
+        replaced = {
+            REQUEST_ID_HEADER: request_id.encode(),
+            b"content-length": str(len(data)).encode(),
+            b"content-type": b"application/json",
+        }
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k not in replaced] + [*replaced.items()]}
 
         disconnected = asyncio.Event()
-        delivered = False
+        undelivered = [{"type": "http.request", "body": data, "more_body": False}]
 
         async def app_receive():
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": data, "more_body": False}
+            if undelivered:
+                return undelivered.pop()
             await disconnected.wait()
             return {"type": "http.disconnect"}
 
@@ -266,7 +255,7 @@ class ServeGuard:
         """The request body, validated against PATH's allowlist, with `model` set to the served name;
         RequestError otherwise."""
         try:
-            body = json.loads(raw or b"{}", parse_constant=_not_finite, parse_float=_finite_float)
+            body = json.loads(raw or b"{}", parse_constant=_finite_float, parse_float=_finite_float)
         except RecursionError:  # C json raises it past ~1,000 levels; nothing deep reaches transformers
             raise RequestError(400, "the request body is nested too deeply") from None
         except (ValueError, UnicodeDecodeError):
@@ -274,15 +263,11 @@ class ServeGuard:
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
         requested = body.get("model")
-        if requested is not None:
-            if not isinstance(requested, str) or not self._names_served_model(requested):
-                shown = repr(requested) if len(repr(requested)) <= 200 else repr(requested)[:197] + "..."
-                raise RequestError(
-                    404,
-                    f"model {shown} is not served here; this server serves {self.served}",
-                    "model",
-                    "model_not_found",
-                )
+        if requested is not None and not (isinstance(requested, str) and self._names_served_model(requested)):
+            shown = repr(requested) if len(repr(requested)) <= 200 else repr(requested)[:197] + "..."
+            raise RequestError(
+                404, f"model {shown} is not served here; this server serves {self.served}", "model", "model_not_found"
+            )
         body = checked_fields(body, path, self.limits.max_new_tokens, self.limits.images)
         body["model"] = self.served
         return body
@@ -294,14 +279,11 @@ class ServeGuard:
         return os.path.normpath(os.path.join(self.cwd, name)) == os.path.normpath(self.served)
 
 
-def _not_finite(constant: str):
-    raise ValueError(f"{constant} is not a number JSON allows")
-
-
 def _finite_float(text: str) -> float:
+    """TEXT, a JSON number or a constant Python's json accepts (NaN, Infinity), as a finite float; else ValueError."""
     value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"{text} overflows a float")
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
     return value
 
 
@@ -314,10 +296,3 @@ def _without_body(send):
         await send(message)
 
     return send_head
-
-
-async def _answer(send, err: RequestError) -> None:
-    body = err.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -4,15 +4,12 @@ The subclasses here keep transformers' response builders (`_streaming`, `_non_st
 reasoning) and replace `handle_request`, which does, per request (the body has already passed the guard's
 allowlist, `fields.py`):
 
-- render and tokenise in a render worker process (`render_pool`): at most RENDER_WORKERS at once, under the
-  request's time limit (`--request-timeout`; what the render took is taken off the generation's budget) and a memory
-  cap (`--render-memory`); a render past its limit is ended with its process. transformers 5.25 renders on one
-  thread for all requests, without a time limit: a slow render held up every other request's prompt, an endless
-  one every later request, and one string repetition in a template took the server's memory. The call rendered is
-  the one 5.25's own `render_messages` builds (recorded, `recording`). A prompt that does not render (the model's
-  template or processor refuses the messages) answers 400, as does an empty completion prompt on a tokenizer
-  without a BOS token (5.25 sends the model an empty prompt);
-- the chat template gets the server's `chat_template_kwargs` only (5.25 merges a client's over them);
+- render and tokenise in a render worker process (`render_pool`, which says why): at most RENDER_WORKERS at once,
+  under the request's time limit (`--request-timeout`; what the render took is taken off the generation's budget)
+  and a memory cap (`--render-memory`). transformers 5.25 renders on one thread for all requests, without a time
+  limit: a slow render held up every other request's prompt, an endless one every later request. The call rendered
+  is the one 5.25's own `render_messages` builds (`recording`). A prompt that does not render answers 400, as does
+  an empty completion prompt on a tokenizer without a BOS token (`KHACompletionHandler`);
 - `logit_bias` token ids must exist in the model's vocabulary;
 - `temperature > 0` (or a `top_p`) samples, whatever the model's generation config says (5.25 alone stays greedy
   when the model's config does, silently ignoring the request's temperature);
@@ -22,7 +19,7 @@ allowlist, `fields.py`):
   while sampling) answers 400 naming the field when a request asks for something else, instead of being ignored
   or leaking into other clients' requests;
 - the prompt and the new tokens are fitted to the context (and the paged cache), and the generation runs under the
-  request's time limit, through `generation.KHAEngineClient.for_request`.
+  request's time limit, through `generation.Generation`.
 
 `app.KHAServe` builds these in place of transformers' classes.
 """
@@ -40,17 +37,12 @@ from transformers.cli.serving.utils import prompt_length
 
 from .engine import SEED_KWARG
 from .errors import RequestError
-from .generation import fit_request
+from .generation import Generation, fit_request
 from .guard import RequestRegistry, ServeLimits
 from .render_pool import RenderFailed, RenderPool, RenderTimedOut
 
 ASKED_TOKENS = ("max_completion_tokens", "max_tokens", "max_output_tokens")  # chat's first one wins, as in 5.25
 PER_REQUEST_SAMPLING = ("temperature", "top_k", "top_p")  # what continuous batching takes per request (5.25)
-
-
-def samples(generation_kwargs: dict) -> bool:
-    """Whether these settings sample (as transformers' CBGenerateRunner decides)."""
-    return bool(generation_kwargs.get("do_sample")) and generation_kwargs.get("temperature") != 0
 
 
 def refuse_under_cb(name: str, reason: str) -> RequestError:
@@ -62,9 +54,8 @@ def refuse_under_cb(name: str, reason: str) -> RequestError:
     )
 
 
-def check_model_settings(body: dict, config, generation_kwargs: dict) -> None:
-    """RequestError (400) for settings this model cannot honour; `temperature > 0` or a `top_p` samples."""
-    vocab = getattr(config.get_text_config(), "vocab_size", None)
+def check_model_settings(body: dict, vocab: int | None, generation_kwargs: dict) -> None:
+    """RequestError (400) for settings a model of VOCAB tokens cannot honour; `temperature > 0` or a `top_p` samples."""
     for key in body.get("logit_bias") or {}:
         if isinstance(vocab, int) and not int(key) < vocab:
             raise RequestError(400, f"logit_bias names token {key}; this model's vocabulary has {vocab}", "logit_bias")
@@ -131,19 +122,13 @@ def check_no_media_tokens(processor, messages, param: str) -> None:
 
 
 def recording(engine) -> SimpleNamespace:
-    """ENGINE as transformers' `render_messages` reads it, with a processor that records the render's call."""
-    return SimpleNamespace(processor=_RecordedCall(), modality=engine.modality, use_cb=engine.use_cb)
+    """ENGINE as transformers' own `render_messages` reads it, with a stand-in processor: its `apply_chat_template`
+    call (messages, tools, template keywords, as 5.25 builds them) is recorded for a render worker instead of run."""
+    processor = SimpleNamespace(apply_chat_template=lambda *args, **kwargs: ("chat", args, kwargs))
+    return SimpleNamespace(processor=processor, modality=engine.modality, use_cb=engine.use_cb)
 
 
-class _RecordedCall:
-    """Stands in for a processor in transformers' own `render_messages`: its `apply_chat_template` call (messages,
-    tools, template keywords, as 5.25 builds them) is recorded for a render worker instead of run here."""
-
-    def apply_chat_template(self, *args, **kwargs):
-        return "chat", args, kwargs
-
-
-def check_continuous_batching(body: dict, config, model_generation, generation_kwargs: dict, info: dict) -> None:
+def check_continuous_batching(body: dict, vocab: int | None, model_generation, generation_kwargs: dict, info) -> None:
     """Under continuous batching: RequestError (400) for what the batch applies to every request alike, when this
     request asks for something else; a sampling request gets all its per-request settings (INFO: what the batch
     takes per request, `engine.engine_cb_info`), a greedy one loses its seed (nothing random is drawn for it).
@@ -157,7 +142,7 @@ def check_continuous_batching(body: dict, config, model_generation, generation_k
         raise refuse_under_cb("logit_bias", "the batch applies the model's logit bias (if any) to every request")
     if body.get("stop") is not None:
         raise refuse_under_cb("stop", "the batch applies no stop strings")
-    if not samples(generation_kwargs):
+    if not generation_kwargs.get("do_sample") or generation_kwargs.get("temperature") == 0:  # greedy (CBGenerateRunner)
         generation_kwargs.pop("seed", None)  # transformers would reseed every request's random numbers with it
         return
     if "seed" in body:
@@ -167,7 +152,6 @@ def check_continuous_batching(body: dict, config, model_generation, generation_k
         name = next((field for field in ("temperature", "top_p") if field in body), "temperature")
         raise refuse_under_cb(name, f"this batch cannot set {', '.join(missing)} per request")
     # every setting sent, so that none falls back to the values the batch was created with
-    vocab = getattr(config.get_text_config(), "vocab_size", None)
     temperature, top_p, top_k = (generation_kwargs.get(name) for name in ("temperature", "top_p", "top_k"))
     generation_kwargs["temperature"] = 1.0 if temperature is None else float(temperature)
     generation_kwargs["top_p"] = 1.0 if top_p is None else float(top_p)
@@ -176,7 +160,8 @@ def check_continuous_batching(body: dict, config, model_generation, generation_k
 
 class KHAHandler:
     """What kha serve's handlers add to transformers' (first among their bases): RENDERS, the server's render workers
-    (one pool: kha serve serves one model), LIMITS, the requests in flight in REGISTRY."""
+    (one pool: kha serve serves one model), LIMITS, the requests in flight in REGISTRY. Each endpoint's subclass
+    renders its prompt (`_inputs`)."""
 
     def __init__(self, *args, renders: RenderPool, limits: ServeLimits, registry: RequestRegistry, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -195,84 +180,75 @@ class KHAHandler:
                 408, f"the prompt did not render within --request-timeout ({limits.request_timeout:g} s)", param
             ) from None
         except RenderFailed as err:
-            message = f"it needed more than --render-memory ({limits.render_memory >> 20} MiB)" if err.memory else err
-            raise RequestError(400, f"the prompt could not be rendered: {message}", param) from None
+            raise RequestError(400, f"the prompt could not be rendered: {err}", param) from None
         finally:
             self.registry.end(key)
 
-    def _chat_template_kwargs(self, body: dict) -> dict:
-        return dict(self.chat_template_kwargs)  # the server's own (kha serve sets none), never a client's
-
-    async def _limited(self, body: dict, request_id: str, engine, inputs, started: float):
-        """(the engine bound to this request, its generation settings), checked and fitted to the limits."""
+    async def handle_request(self, body: dict, request_id: str):
+        # As transformers 5.25's handle_request of each endpoint, with the prompt rendered on kha serve's pool under
+        # the time limit (`_inputs`), and kha serve's checks and limits
+        started = time.monotonic()
+        self._validate_request(body)
+        engine = self.model_manager.get_engine(body.get("model"))
+        inputs = await self._inputs(body, engine, started)
         generation_kwargs = self._build_generation_kwargs(body, engine.generation_config)
-        check_model_settings(body, engine.model_config, generation_kwargs)
+        vocab = getattr(engine.model_config.get_text_config(), "vocab_size", None)
+        check_model_settings(body, vocab, generation_kwargs)
         cache_tokens = None
         if engine.use_cb:
             info = await engine.cb_info()
-            check_continuous_batching(body, engine.model_config, engine.generation_config, generation_kwargs, info)
+            check_continuous_batching(body, vocab, engine.generation_config, generation_kwargs, info)
             cache_tokens = info.get("cache_tokens")
         elif generation_kwargs.get("seed") is not None:
-            # applied in the model's process to this request's generation only (engine.seeded_generation_isolated)
+            # applied in the model's process to this request's generation only (engine.generation_isolated)
             generation_kwargs[SEED_KWARG] = int(generation_kwargs.pop("seed"))
         asked = next((body[key] for key in ASKED_TOKENS if body.get(key) is not None), None)
         fit_request(engine.model_config, prompt_length(inputs), asked, generation_kwargs, self.limits, cache_tokens)
         self._log_request(request_id, engine, inputs, generation_kwargs, body.get("stream"), body)
-        return engine.for_request(request_id, started + self.limits.request_timeout), generation_kwargs
+        bound = Generation(engine, request_id, started + self.limits.request_timeout, self.registry)
+        return await self._answer(body, request_id, bound, inputs, generation_kwargs)
+
+    async def _answer(self, body: dict, request_id: str, engine, inputs, generation_kwargs: dict):
+        """As 5.25's chat and completion handlers answer: their response builders get the request's tools (chat) or
+        suffix (completions), named by EXTRA."""
+        args = (request_id, engine, inputs, generation_kwargs, body.get(self.EXTRA))
+        if body.get("stream"):
+            return self._streaming(*args, body.get("stream_options"))
+        return await self._non_streaming(*args)
 
 
 class KHAChatCompletionHandler(KHAHandler, ChatCompletionHandler):
-    async def handle_request(self, body: dict, request_id: str):
-        # As transformers 5.25's ChatCompletionHandler.handle_request, with the prompt rendered on kha serve's
-        # pool under the time limit, and kha serve's checks and limits
-        started = time.monotonic()
-        self._validate_request(body)
-        engine = self.model_manager.get_engine(body.get("model"))
+    EXTRA = "tools"
+
+    async def _inputs(self, body: dict, engine, started: float):
         check_no_media_tokens(engine.processor, body["messages"], "messages")
         job = self.render_messages(recording(engine), body["messages"], body)
-        inputs = await self._rendered(job, started, "messages")
-        bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
-        tools = body.get("tools")
-        if body.get("stream"):
-            return self._streaming(request_id, bound, inputs, generation_kwargs, tools, body.get("stream_options"))
-        return await self._non_streaming(request_id, bound, inputs, generation_kwargs, tools=tools)
+        return await self._rendered(job, started, "messages")
 
 
 class KHACompletionHandler(KHAHandler, CompletionHandler):
-    async def handle_request(self, body: dict, request_id: str):
-        # As transformers 5.25's CompletionHandler.handle_request, with the prompt tokenised on kha serve's pool;
-        # an empty prompt starts from the BOS token (5.25 would send the model an empty prompt)
-        started = time.monotonic()
-        self._validate_request(body)
-        engine = self.model_manager.get_engine(body.get("model"))
-        tokenizer = getattr(engine.processor, "tokenizer", engine.processor)
+    EXTRA = "suffix"
 
+    async def _inputs(self, body: dict, engine, started: float):
+        # the prompt tokenised on kha serve's pool; an empty prompt starts from the BOS token (5.25 would send the
+        # model an empty prompt)
+        tokenizer = getattr(engine.processor, "tokenizer", engine.processor)
         encoded = await self._rendered(("tokenize", (body["prompt"],), {}), started, "prompt")
         encoded = {name: encoded[name] for name in ("input_ids", "attention_mask") if name in encoded}
         if not encoded["input_ids"]:
             if tokenizer.bos_token_id is None:
                 raise RequestError(400, "prompt is empty and this model has no BOS token to start from", "prompt")
             encoded = {"input_ids": [tokenizer.bos_token_id], "attention_mask": [1]}
-        inputs = encoded if engine.use_cb else {k: torch.tensor([v]) for k, v in encoded.items()}
-        bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
-        args = (request_id, bound, inputs, generation_kwargs, body.get("suffix"))
-        if body.get("stream"):
-            return self._streaming(*args, body.get("stream_options"))
-        return await self._non_streaming(*args)
+        return encoded if engine.use_cb else {k: torch.tensor([v]) for k, v in encoded.items()}
 
 
 class KHAResponseHandler(KHAHandler, ResponseHandler):
-    async def handle_request(self, body: dict, request_id: str):
-        # As transformers 5.25's ResponseHandler.handle_request, with the prompt rendered on kha serve's pool
-        # under the time limit, and kha serve's checks and limits
-        started = time.monotonic()
-        self._validate_request(body)
-        engine = self.model_manager.get_engine(body.get("model"))
+    async def _inputs(self, body: dict, engine, started: float):
         check_no_media_tokens(engine.processor, body["input"], "input")
         check_no_media_tokens(engine.processor, body.get("instructions"), "instructions")
         job = self.render_messages(recording(engine), self._normalize_input(body), body)
-        inputs = await self._rendered(job, started, "input")
-        bound, generation_kwargs = await self._limited(body, request_id, engine, inputs, started)
-        if body.get("stream", False):
-            return self._streaming(request_id, bound, body, inputs, generation_kwargs)
-        return await self._non_streaming(request_id, bound, body, inputs, generation_kwargs)
+        return await self._rendered(job, started, "input")
+
+    async def _answer(self, body: dict, request_id: str, engine, inputs, generation_kwargs: dict):
+        args = (request_id, engine, body, inputs, generation_kwargs)  # as 5.25's ResponseHandler answers
+        return self._streaming(*args) if body.get("stream") else await self._non_streaming(*args)

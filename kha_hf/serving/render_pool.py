@@ -31,17 +31,12 @@ import torch
 from ..common.errors import KHAError
 
 RENDER_WORKERS = 2
-RENDER_MEMORY = 1 << 30  # bytes a render may add to its worker's address space
 _PRELOAD = ["torch", "transformers", "kha_hf.serving.render_pool"]
 STARTUP_TIMEOUT = 120.0  # seconds a worker may take to load its processor
 
 
 class RenderFailed(Exception):
-    """The render raised (the template or processor refused the messages; MEMORY: it needed more than its cap)."""
-
-    def __init__(self, message: str, memory: bool = False) -> None:
-        super().__init__(message)
-        self.memory = memory
+    """The render raised (the template or processor refused the messages, or it needed more than its cap)."""
 
 
 class RenderTimedOut(Exception):
@@ -117,8 +112,8 @@ class RenderPool:
     """SIZE render workers for one processor (pickled into each). `run` from the server's event loop."""
 
     processor: Any
+    memory: int  # bytes a render may add to its worker's address space (`ServeLimits.render_memory`)
     size: int = RENDER_WORKERS
-    memory: int = RENDER_MEMORY
     _blob: bytes = b""
     _idle: asyncio.Queue | None = None
     _ready: list = field(default_factory=list)  # started by `start`, before the event loop's first render
@@ -221,7 +216,7 @@ class RenderPool:
                 self._spawn(loop, worker)
         if not ok:
             message, memory = value
-            raise RenderFailed(message, memory=memory)
+            raise RenderFailed(f"it needed more than --render-memory ({self.memory >> 20} MiB)" if memory else message)
         return value
 
     def close(self) -> None:

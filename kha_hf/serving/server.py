@@ -14,9 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import math
 import os
-import re
 import socket
 import time
 import urllib.request
@@ -36,7 +34,8 @@ from ..checkpoint.loading import (
 )
 from ..checkpoint.reader import NoConfig, open_checkpoint
 from ..common.errors import KHAError
-from .fields import MIN_TEMPERATURE
+from ..common.supported_versions import release
+from .fields import MIN_TEMPERATURE, is_int, is_number
 from .guard import ServeLimits, model_aliases
 
 if TYPE_CHECKING:
@@ -116,7 +115,7 @@ def check_serving_transformers(version: str | None = None) -> None:
         import transformers
 
         version = transformers.__version__
-    installed = tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:2])
+    installed = release(version)[:2]
     if installed < SERVING_TRANSFORMERS:
         wanted = "transformers>={}.{}".format(*SERVING_TRANSFORMERS)
         raise KHAError(
@@ -168,20 +167,16 @@ def check_generation_config(folder: Path, model_config: dict) -> None:
     else:  # MODEL_CONFIG: FOLDER's config.json, already read and checked
         path, config = folder / "config.json", model_config
     for name, value in config.items():
-        if name in SAMPLING_BOUNDS or name in WHOLE_BOUNDS:
-            whole = name in WHOLE_BOUNDS
-            ok, bounds = WHOLE_BOUNDS[name] if whole else SAMPLING_BOUNDS[name]
-            kind = int if whole else (int, float)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or not ok(value):
-                raise KHAError(f"{path}: {name} {value!r} is outside what kha serve can generate with ({bounds})")
+        whole = name in WHOLE_BOUNDS
+        ok, bounds = WHOLE_BOUNDS[name] if whole else SAMPLING_BOUNDS.get(name, (None, None))
+        if ok is not None and value is not None and not ((is_int if whole else is_number)(value) and ok(value)):
+            raise KHAError(f"{path}: {name} {value!r} is outside what kha serve can generate with ({bounds})")
     vocab = model_config.get("vocab_size")
     for name in ("suppress_tokens", "begin_suppress_tokens"):
         tokens = config.get(name)
         if tokens is None:
             continue
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        if not isinstance(tokens, list) or not all(map(is_int, tokens)):
             raise KHAError(f"{path}: {name} must be a list of token ids")
         if isinstance(vocab, int) and len(set(tokens)) >= vocab - 1:
             raise KHAError(f"{path}: {name} suppresses {len(set(tokens))} of {vocab} tokens: nothing is left to say")
