@@ -43,7 +43,9 @@ from ..modeling.configuration_kha import TARGET_WORDS, control_refusal, mlp_knoc
 from .fold_plan import checked_fold_plan, fold_checked
 from .gguf_pretokenizers import KNOWN_PRE_TYPES
 
-OUTTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+# --outtype -> gguf.LlamaFileType's name; the matrices' gguf.GGMLQuantizationType is the outtype's upper case
+FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+OUTTYPES = ("auto", *FILE_TYPES)
 GGUF_MAGIC = b"GGUF"
 # Metadata key of every GGUF file kha writes: --overwrite replaces only such files (as folders need kha's marker)
 KHA_GGUF_MARKER = "kha.written_by"
@@ -189,7 +191,7 @@ def export_gguf(
             writer.add_name(kha_dir.resolve().name)
             writer.add_string(KHA_GGUF_MARKER, f"kha-hf {__version__}")
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-            writer.add_file_type(FILE_TYPES[outtype](gguf))
+            writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[outtype]])
             meta.add_to(writer, gguf)
             vocab.add_to(writer)
             for t in plan_tensors:
@@ -201,12 +203,8 @@ def export_gguf(
             with tqdm(
                 total=len(plan_tensors), desc="write GGUF", unit="tensor", disable=None if progress else True
             ) as bar:
-                for t, values in _tensor_values(kha_dir, tensors, plan_tensors, plan, base, family):
-                    if isinstance(values, RowBlocks):
-                        writer.write_tensor_data(StreamedArray(values, t, gguf, kha_dir))
-                    else:
-                        _check_finite(values, t, kha_dir)
-                        writer.write_tensor_data(_convert(values, t, gguf, kha_dir))
+                for data in _tensor_data(kha_dir, tensors, plan_tensors, plan, base, family, gguf):
+                    writer.write_tensor_data(data)
                     bar.update()
         except OSError as err:
             if err.errno is not None:
@@ -257,14 +255,6 @@ def written_by_kha(path: Path) -> bool:
         return KHA_GGUF_MARKER in gguf.GGUFReader(path).fields
     except Exception:  # a truncated or hostile file: not one kha wrote
         return False
-
-
-FILE_TYPES = {
-    "f32": lambda g: g.LlamaFileType.ALL_F32,
-    "f16": lambda g: g.LlamaFileType.MOSTLY_F16,
-    "bf16": lambda g: g.LlamaFileType.MOSTLY_BF16,
-    "q8_0": lambda g: g.LlamaFileType.MOSTLY_Q8_0,
-}
 
 
 def check_checkpoint_tensors(checkpoint: Checkpoint) -> None:
@@ -472,7 +462,8 @@ def _plan_tensors(tensors: dict, config, family: Family, outtype: str, gguf, fol
             raise KHAError(f"{folder}: tensor {source} has no place in llama.cpp's {family.arch} graph")
         shape = tuple(tensors[source].shape)
         qtype = _qtype(name, shape, outtype, gguf)
-        planned.append(_Tensor(source, name, shape, qtype, _nbytes(shape, qtype, gguf)))
+        nbytes = math.prod(gguf.quant_shape_to_byte_shape(shape, qtype))
+        planned.append(_Tensor(source, name, shape, qtype, nbytes))
     return planned
 
 
@@ -484,26 +475,22 @@ def _qtype(name: str, shape: tuple[int, ...], outtype: str, gguf):
     Q = gguf.GGMLQuantizationType
     if len(shape) <= 1 or name.endswith("_norm.weight"):
         return Q.F32  # as llama.cpp's converter: vectors and norms stay float32
-    qtype = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[outtype]
+    qtype = Q[outtype.upper()]
     if qtype == Q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
         return Q.F16  # a row Q8_0 cannot block: f16, as llama.cpp's converter does
     return qtype
 
 
-def _nbytes(shape: tuple[int, ...], qtype, gguf) -> int:
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    return math.prod(shape[:-1]) * (shape[-1] // block) * size
-
-
-def _tensor_values(
-    folder: Path, tensors: dict, planned: list[_Tensor], plan: dict, config, family: Family
-) -> Iterator[tuple[_Tensor, torch.Tensor | RowBlocks]]:
-    """(tensor, float32 values as llama.cpp wants them) in PLANNED's order; one checkpoint tensor in memory at once."""
+def _tensor_data(
+    folder: Path, tensors: dict, planned: list[_Tensor], plan: dict, config, family: Family, gguf
+) -> Iterator[np.ndarray | StreamedArray]:
+    """Each of PLANNED's tensors, in order, as `GGUFWriter.write_tensor_data` takes it: its float32 values as llama.cpp
+    wants them, checked finite and converted to its GGUF type; one checkpoint tensor in memory at once."""
     handle, handle_file = None, None
     try:
         for t in planned:
             if t.data is not None:
-                yield t, t.data
+                yield _convert(t.data, t, gguf, folder)
                 continue
             file = tensors[t.source].file
             if file != handle_file:
@@ -512,7 +499,9 @@ def _tensor_values(
             shifted = family.norm_shift and t.name.endswith("norm.weight")
             untouched = t.source not in plan and not permuted and not shifted
             if untouched and len(t.shape) == 2 and t.shape[0] > ROW_BLOCK:  # a large matrix (embedding, MLP)
-                yield t, RowBlocks(handle, t.source, t.shape[0])
+                view = handle.get_slice(t.source)  # read ROW_BLOCK rows at a time, as it is written
+                blocks = (view[i : i + ROW_BLOCK].float() for i in range(0, t.shape[0], ROW_BLOCK))
+                yield StreamedArray(blocks, t, gguf, folder)
                 continue
             values = handle.get_tensor(t.source)
             for knock, rows in plan.get(t.source, ()):
@@ -524,50 +513,30 @@ def _tensor_values(
                 values = _permute(values, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
             if family.norm_shift and t.name.endswith("norm.weight"):
                 values = values + family.norm_shift
-            yield t, values
+            yield _convert(values, t, gguf, folder)
             del values
     finally:
         del handle
 
 
-@dataclass
-class RowBlocks:
-    """A large checkpoint matrix that needs no change but its type, read ROW_BLOCK rows at a time (safetensors
-    slices), so that neither it nor its converted copy is ever held whole."""
-
-    handle: object  # the open safetensors file
-    source: str
-    rows: int
-
-    def blocks(self) -> Iterator[torch.Tensor]:
-        view = self.handle.get_slice(self.source)
-        for start in range(0, self.rows, ROW_BLOCK):
-            yield view[start : start + ROW_BLOCK].float()
-
-
 class StreamedArray:
-    """What `GGUFWriter.write_tensor_data` takes of an array (gguf 0.19 reads `nbytes` and calls `tofile`), made
-    block by block from a `RowBlocks`: each block converted (and checked finite) just before it is written."""
+    """What `GGUFWriter.write_tensor_data` takes of an array (gguf 0.19 reads `nbytes` and calls `tofile`), made of
+    BLOCKS: the ROW_BLOCK-row slices of a large checkpoint matrix that needs no change but its type, each converted
+    (and checked finite) just before it is written, so that neither the matrix nor its converted copy is ever held
+    whole."""
 
-    def __init__(self, source: RowBlocks, t: _Tensor, gguf, folder: Path) -> None:
-        self.source, self.t, self.gguf, self.folder = source, t, gguf, folder
+    def __init__(self, blocks: Iterator[torch.Tensor], t: _Tensor, gguf, folder: Path) -> None:
+        self.blocks, self.t, self.gguf, self.folder = blocks, t, gguf, folder
         self.nbytes = t.nbytes
 
     def tofile(self, fout) -> None:
         written = 0
-        for block in self.source.blocks():
-            _check_finite(block, self.t, self.folder)
+        for block in self.blocks:
             data = _convert(block, self.t, self.gguf, self.folder)
             data.tofile(fout)
             written += data.nbytes
         if written != self.nbytes:
             raise KHAError(f"{self.folder}: tensor {self.t.source} gave {written} bytes, {self.nbytes} expected")
-
-
-def _check_finite(values: torch.Tensor, t: _Tensor, folder: Path) -> None:
-    if not torch.isfinite(values).all():
-        bad = int((~torch.isfinite(values)).sum())
-        raise KHAError(f"{folder}: tensor {t.source} holds {bad} NaN or infinite values; refusing to write it")
 
 
 def _permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -580,7 +549,10 @@ def _permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _convert(values: torch.Tensor, t: _Tensor, gguf, folder: Path) -> np.ndarray:
-    """VALUES in T's GGUF type, ROW_BLOCK rows at a time into one output array."""
+    """VALUES, checked finite, in T's GGUF type, ROW_BLOCK rows at a time into one output array."""
+    if not torch.isfinite(values).all():
+        bad = int((~torch.isfinite(values)).sum())
+        raise KHAError(f"{folder}: tensor {t.source} holds {bad} NaN or infinite values; refusing to write it")
     Q = gguf.GGMLQuantizationType
     array = values.numpy()
     if t.qtype == Q.F32:
