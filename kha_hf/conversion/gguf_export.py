@@ -177,10 +177,9 @@ def export_gguf(
         )
     if outtype == "auto":
         outtype = _checkpoint_outtype(tensors)
-    meta = _Metadata(base, model_type, family, warnings)
-    vocab = read_vocab(kha_dir, base.vocab_size, tokenizer_pre)
-    plan_tensors = _plan_tensors(tensors, base, family, outtype, gguf, kha_dir)
-    plan_tensors += meta.extra_tensors(gguf, outtype)
+    hparams, generated = _hparams(base, model_type, family, warnings, gguf)
+    vocab, special_vocab = read_vocab(kha_dir, base.vocab_size, tokenizer_pre)
+    plan_tensors = _plan_tensors(tensors, base, family, outtype, gguf, kha_dir) + generated
     total = sum(t.nbytes for t in plan_tensors)
 
     with atomic_output_file(out, overwrite=overwrite) as tmp:
@@ -192,8 +191,9 @@ def export_gguf(
             writer.add_string(KHA_GGUF_MARKER, f"kha-hf {__version__}")
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[outtype]])
-            meta.add_to(writer, gguf)
-            vocab.add_to(writer)
+            for key, value in [*hparams.items(), *vocab.items()]:
+                getattr(writer, f"add_{key}")(value)
+            special_vocab.add_to_gguf(writer, quiet=True)
             for t in plan_tensors:
                 writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
             writer.write_header_to_file(tmp)
@@ -329,122 +329,101 @@ def _checkpoint_outtype(tensors: dict) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "f32")
 
 
-class _Metadata:
-    """The family's hyper-parameters as llama.cpp reads them; refuses what its graph cannot express."""
-
-    def __init__(self, config, model_type: str, family: Family, warnings: list[str]):
-        self.c, self.model_type, self.family, self.warnings = config, model_type, family, warnings
-        c = config
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        rope = getattr(c, "rope_parameters", None) or {}
-        if "full_attention" in rope or "sliding_attention" in rope:
-            self.rope, self.rope_swa = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
-        else:
-            self.rope, self.rope_swa = rope, {}
-        self.rope_type = self.rope.get("rope_type", "default")
-        layer_types = list(getattr(c, "layer_types", None) or [])
-        self.sliding = [t == "sliding_attention" for t in layer_types] or [False] * c.num_hidden_layers
-        window = getattr(c, "sliding_window", None)
-        if model_type == "mistral" and window and window < c.max_position_embeddings:
-            self.sliding = [True] * c.num_hidden_layers  # Mistral v0.1: every layer, no layer_types
-        if model_type == "gemma3_text":
-            self._check_gemma3()
-        elif any(self.sliding) and window:
-            raise KHAError(
-                f"{model_type} with a sliding window ({window} tokens, layers "
-                f"{[i for i, s in enumerate(self.sliding) if s]}): llama.cpp's {family.arch} graph attends to the "
-                "whole context, so it would compute something else beyond the window"
-            )
-        elif model_type == "phi3" and window and window < c.max_position_embeddings:
-            warnings.append(
-                f"llama.cpp's phi3 graph has no sliding window: it agrees with this model for contexts up to "
-                f"{window} tokens (the model's window), as for every Phi-3 GGUF llama.cpp's own converter writes"
-            )
-        if self.rope_type not in ("default", "linear") and not (family.arch == "llama" and self.rope_type == "llama3"):
-            raise KHAError(
-                f"RoPE scaling {self.rope_type!r}: kha's GGUF export writes default, linear (and for Llama, llama3) "
-                "RoPE; llama.cpp's converter handles the others"
-            )
-        if getattr(c, "mlp_bias", False):
-            raise KHAError(f"{model_type} with mlp_bias: llama.cpp's {family.arch} graph has no MLP biases")
-        if model_type == "qwen3" and getattr(c, "attention_bias", False):
-            raise KHAError("qwen3 with attention_bias: llama.cpp's qwen3 graph has no q/k/v biases")
-        if model_type == "phi3":
-            factor = getattr(c, "partial_rotary_factor", None) or self.rope.get("partial_rotary_factor") or 1.0
-            self.rope_dims = int(factor * self.head_dim)
-        else:
-            self.rope_dims = self.head_dim
-
-    def _check_gemma3(self) -> None:
-        c = self.c
+def _hparams(c, model_type: str, family: Family, warnings: list[str], gguf) -> tuple[dict, list[_Tensor]]:
+    """The family's hyper-parameters as llama.cpp reads them: GGUFWriter's `add_KEY(value)` calls as KEY -> value,
+    and the tensors it takes some of them as (Llama 3's RoPE factors); refuses what its graph cannot express."""
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rope, rope_swa = getattr(c, "rope_parameters", None) or {}, {}
+    if "full_attention" in rope or "sliding_attention" in rope:
+        rope, rope_swa = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    rope_type = rope.get("rope_type", "default")
+    layer_types = list(getattr(c, "layer_types", None) or [])
+    sliding = [t == "sliding_attention" for t in layer_types] or [False] * c.num_hidden_layers
+    window = getattr(c, "sliding_window", None)
+    if model_type == "mistral" and window and window < c.max_position_embeddings:
+        sliding = [True] * c.num_hidden_layers  # Mistral v0.1: every layer, no layer_types
+    if model_type == "gemma3_text":
         if getattr(c, "attn_logit_softcapping", None):
             raise KHAError("gemma3 with attn_logit_softcapping: llama.cpp's gemma3 graph has no attention soft-cap")
         scalar = getattr(c, "query_pre_attn_scalar", None)
         big = c.num_hidden_layers == 62 and scalar == c.hidden_size // c.num_attention_heads  # llama.cpp's 27B rule
-        if scalar is not None and scalar != self.head_dim and not big:
+        if scalar is not None and scalar != head_dim and not big:
             raise KHAError(
-                f"gemma3 with query_pre_attn_scalar {scalar} and head_dim {self.head_dim}: llama.cpp's gemma3 graph "
+                f"gemma3 with query_pre_attn_scalar {scalar} and head_dim {head_dim}: llama.cpp's gemma3 graph "
                 "scales queries by 1/sqrt(head_dim) (the 27B size aside)"
             )
-        if self.rope_swa.get("rope_type", "default") != "default":
+        if rope_swa.get("rope_type", "default") != "default":
             raise KHAError("gemma3 with RoPE scaling on sliding layers: llama.cpp scales the global layers only")
+    elif any(sliding) and window:
+        raise KHAError(
+            f"{model_type} with a sliding window ({window} tokens, layers "
+            f"{[i for i, s in enumerate(sliding) if s]}): llama.cpp's {family.arch} graph attends to the "
+            "whole context, so it would compute something else beyond the window"
+        )
+    elif model_type == "phi3" and window and window < c.max_position_embeddings:
+        warnings.append(
+            f"llama.cpp's phi3 graph has no sliding window: it agrees with this model for contexts up to "
+            f"{window} tokens (the model's window), as for every Phi-3 GGUF llama.cpp's own converter writes"
+        )
+    if rope_type not in ("default", "linear") and not (family.arch == "llama" and rope_type == "llama3"):
+        raise KHAError(
+            f"RoPE scaling {rope_type!r}: kha's GGUF export writes default, linear (and for Llama, llama3) "
+            "RoPE; llama.cpp's converter handles the others"
+        )
+    if getattr(c, "mlp_bias", False):
+        raise KHAError(f"{model_type} with mlp_bias: llama.cpp's {family.arch} graph has no MLP biases")
+    if model_type == "qwen3" and getattr(c, "attention_bias", False):
+        raise KHAError("qwen3 with attention_bias: llama.cpp's qwen3 graph has no q/k/v biases")
+    rotary = getattr(c, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
+    rope_dims = int(rotary * head_dim) if model_type == "phi3" else head_dim
+    meta = {
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "feed_forward_length": c.intermediate_size,
+        "block_count": c.num_hidden_layers,
+        "head_count": c.num_attention_heads,
+        "head_count_kv": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        "key_length": head_dim,
+        "value_length": head_dim,
+        "layer_norm_rms_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size,
+        "rope_dimension_count": rope_dims,
+        "rope_freq_base": float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+    }
+    if rope_type == "linear":
+        meta.update(rope_scaling_type=gguf.RopeScalingType.LINEAR, rope_scaling_factor=float(rope["factor"]))
+    if model_type == "phi3":
+        original = rope.get("original_max_position_embeddings") or getattr(c, "original_max_position_embeddings", None)
+        meta["rope_scaling_orig_ctx_len"] = int(original or c.max_position_embeddings)
+        meta["sliding_window"] = 0  # llama.cpp: 0 marks Phi-3 (not Phi-4); its graph has no window either way
+    if model_type == "gemma3_text" and any(sliding):
+        theta = rope_swa.get("rope_theta") or getattr(c, "rope_local_base_freq", None) or 10000.0
+        meta.update(sliding_window=c.sliding_window, sliding_window_pattern=sliding, rope_freq_base_swa=float(theta))
+    if model_type == "gemma3_text" and getattr(c, "final_logit_softcapping", None):
+        meta["final_logit_softcapping"] = float(c.final_logit_softcapping)
+    return meta, _rope_freqs(rope, head_dim, gguf) if rope_type == "llama3" else []
 
-    def add_to(self, w, gguf) -> None:
-        c = self.c
-        w.add_context_length(c.max_position_embeddings)
-        w.add_embedding_length(c.hidden_size)
-        w.add_feed_forward_length(c.intermediate_size)
-        w.add_block_count(c.num_hidden_layers)
-        w.add_head_count(c.num_attention_heads)
-        w.add_head_count_kv(self.n_kv)
-        w.add_key_length(self.head_dim)
-        w.add_value_length(self.head_dim)
-        w.add_layer_norm_rms_eps(c.rms_norm_eps)
-        w.add_vocab_size(c.vocab_size)
-        w.add_rope_dimension_count(self.rope_dims)
-        w.add_rope_freq_base(float(self.rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
-        if self.rope_type == "linear":
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(float(self.rope["factor"]))
-        if self.model_type == "phi3":
-            original = self.rope.get("original_max_position_embeddings") or getattr(
-                c, "original_max_position_embeddings", None
-            )
-            w.add_rope_scaling_orig_ctx_len(int(original or c.max_position_embeddings))
-            w.add_sliding_window(0)  # llama.cpp: 0 marks Phi-3 (not Phi-4); its graph has no window either way
-        if self.model_type == "gemma3_text":
-            if any(self.sliding):
-                w.add_sliding_window(c.sliding_window)
-                w.add_sliding_window_pattern(self.sliding)
-                theta = self.rope_swa.get("rope_theta") or getattr(c, "rope_local_base_freq", None) or 10000.0
-                w.add_rope_freq_base_swa(float(theta))
-            if getattr(c, "final_logit_softcapping", None):
-                w.add_final_logit_softcapping(float(c.final_logit_softcapping))
 
-    def extra_tensors(self, gguf, outtype: str) -> list[_Tensor]:
-        """Llama 3's RoPE scaling is a tensor of per-frequency factors in llama.cpp (`rope_freqs.weight`)."""
-        if self.rope_type != "llama3":
-            return []
-        r, dim = self.rope, self.head_dim
-        base = float(r.get("rope_theta", 10000.0))
-        freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        factor, low, high = r.get("factor", 8.0), r.get("low_freq_factor", 1.0), r.get("high_freq_factor", 4.0)
-        old = r.get("original_max_position_embeddings", 8192)
-        low_wavelen, high_wavelen = old / low, old / high
-        factors = []
-        for freq in freqs.tolist():
-            wavelen = 2 * math.pi / freq
-            if wavelen < high_wavelen:
-                factors.append(1.0)
-            elif wavelen > low_wavelen:
-                factors.append(factor)
-            else:
-                smooth = (old / wavelen - low) / (high - low)
-                factors.append(1 / ((1 - smooth) / factor + smooth))
-        data = torch.tensor(factors, dtype=torch.float32)
-        f32 = gguf.GGMLQuantizationType.F32
-        return [_Tensor("", "rope_freqs.weight", tuple(data.shape), f32, data.numel() * 4, data)]
+def _rope_freqs(r: dict, dim: int, gguf) -> list[_Tensor]:
+    """Llama 3's RoPE scaling is a tensor of per-frequency factors in llama.cpp (`rope_freqs.weight`)."""
+    base = float(r.get("rope_theta", 10000.0))
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = r.get("factor", 8.0), r.get("low_freq_factor", 1.0), r.get("high_freq_factor", 4.0)
+    old = r.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old / low, old / high
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    data = torch.tensor(factors, dtype=torch.float32)
+    f32 = gguf.GGMLQuantizationType.F32
+    return [_Tensor("", "rope_freqs.weight", tuple(data.shape), f32, data.numel() * 4, data)]
 
 
 def _plan_tensors(tensors: dict, config, family: Family, outtype: str, gguf, folder: Path) -> list[_Tensor]:
