@@ -265,9 +265,8 @@ def check_checkpoint_tensors(checkpoint: Checkpoint) -> None:
     expected = checkpoint.shapes or {}
     given = {name for name in checkpoint.tensors if not KNOCK_KEY.match(name)}
     if getattr(checkpoint.base_config, "tie_word_embeddings", False):
-        given.discard(
-            "lm_head.weight"
-        )  # equal to the embeddings (checked when opened): the tied output llama.cpp builds
+        # equal to the embeddings (checked when opened): the tied output llama.cpp builds
+        given.discard("lm_head.weight")
     missing, extra = sorted(set(expected) - given), sorted(given - set(expected))
     if missing or extra:
         tied = " (tie_word_embeddings is true, yet the weights hold lm_head)" if "lm_head.weight" in extra else ""
