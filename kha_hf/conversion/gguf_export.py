@@ -134,9 +134,9 @@ def export_gguf(
     )
     checkpoint = open_checkpoint(kha_dir, True, accept=_known_type, build=_gguf_config, causal_lm=not_lm)
     warnings: list[str] = []
-    kha = None
-    if checkpoint.is_kha:
-        kha = KHACheckpoint.of(checkpoint)
+    kha = KHACheckpoint.of(checkpoint) if checkpoint.is_kha else None
+    base, model_type, linear = checkpoint.base_config, checkpoint.model_type, []
+    if kha is not None:
         config = kha.config
         if config.control_knocks:
             raise KHAError(control_refusal(f"{kha_dir}: {config.control_knocks}", "the GGUF export"))
@@ -149,10 +149,7 @@ def export_gguf(
                 "that folds into GGUF, or serve this one with `kha serve` or vLLM's Transformers backend"
             )
         linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
-        base, model_type = checkpoint.base_config, config.base_model_type
-    else:
-        config, linear = None, []
-        base, model_type = checkpoint.base_config, checkpoint.model_type
+        model_type = config.base_model_type
     family = FAMILIES.get(model_type)
     if family is None:
         raise KHAError(
@@ -161,11 +158,8 @@ def export_gguf(
             "llama.cpp's convert_hf_to_gguf.py if llama.cpp supports it"
         )
     tensors = checkpoint.tensors
-    plan: dict = {}
-    folded: list[str] = []
-    if kha is not None:
-        plan, folded = checked_fold_plan(kha, linear)
-    elif any(KNOCK_KEY.match(n) for n in tensors):
+    plan, folded = checked_fold_plan(kha, linear) if kha is not None else ({}, [])
+    if kha is None and any(KNOCK_KEY.match(n) for n in tensors):
         raise KHAError(f"{kha_dir}: knock tensors in a checkpoint whose config.json is not a KHA config")
 
     check_checkpoint_tensors(checkpoint)
