@@ -14,9 +14,10 @@ Anything llama.cpp's graph for the family would compute differently (a sliding w
 scale it does not take) is refused with one line, not written approximately.
 
 Streaming: tensor infos come from the safetensors headers; the data is then read, folded, converted and written one
-tensor at a time; a large matrix that needs only its type changed (the embedding, MLP weights) is read, converted and
-written ROW_BLOCK rows at a time (`RowBlocks`), so memory is about the largest attention tensor, never the model. The
-file is written to a temporary name beside OUT and renamed when complete (`checkpoint.output.atomic_output_file`).
+tensor at a time; a large matrix that needs only its type changed (the embedding, MLP weights) is read, converted
+and written ROW_BLOCK rows at a time (`StreamedArray`), so memory is about the largest attention tensor, never the
+model. The file is written to a temporary name beside OUT and renamed when complete
+(`checkpoint.output.atomic_output_file`).
 """
 
 from __future__ import annotations
