@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,37 +163,29 @@ def convert(
     card = read_source_card(
         source.gguf_file.parent if source.gguf_file else source.folder, source.hub_repo, source.gguf_file
     )
-    with atomic_output_dir(dst, overwrite=overwrite, marker="convert") as out:
+    with atomic_output_dir(dst, overwrite=overwrite, marker="convert") as out, ExitStack() as temporary:
+        folder_source, what = source, source.name
         if source.gguf_file is not None:
             # inside the temporary output: removed with it whatever happens
-            with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out) as dequantised:
-                if progress:
-                    print(f"dequantising {source.gguf_file.name} (GGUF is read whole, through transformers)")
-                dequantize_gguf(source.gguf_file, Path(dequantised))
-                dequantised_source = Source(Path(dequantised), source.name)
-                # link: the dequantised shards are ours to give away (they vanish with the temporary folder)
-                result = _convert_folder(
-                    dequantised_source, out, knock, knock_layers, True, dtype, progress, card, knocks_from
-                )
-                if verify:  # against what the GGUF loads as, already on disk: not dequantised a second time
-                    _verify(Path(dequantised), out, dtype, what=f"{source.gguf_file.name} (dequantised)")
-        else:
-            result = _convert_folder(source, out, knock, knock_layers, link, dtype, progress, card, knocks_from)
-            if verify:
-                _verify(source.folder, out, dtype, what=source.name)
+            dequantised = Path(temporary.enter_context(tempfile.TemporaryDirectory(prefix=".gguf-", dir=out)))
+            if progress:
+                print(f"dequantising {source.gguf_file.name} (GGUF is read whole, through transformers)")
+            dequantize_gguf(source.gguf_file, dequantised)
+            folder_source, what = Source(dequantised, source.name), f"{source.gguf_file.name} (dequantised)"
+            link = True  # the dequantised shards are ours to give away (they vanish with the temporary folder)
+        result = _convert_folder(folder_source, out, knock, knock_layers, link, dtype, progress, card, knocks_from)
+        if verify:  # a GGUF against what it loads as, already on disk: not dequantised a second time
+            from .verify import verify_conversion
+
+            print(f"verifying: loading {what} and the KHA checkpoint, comparing logits and greedy tokens")
+            # kha convert has no --tokenizer
+            verify_conversion(folder_source.folder, out, dtype=dtype or "float32", offer_tokenizer=False)
     result.output = dst.absolute()
     if push_to_hub:
         from .hub import push_folder
 
         push_folder(result.output, push_to_hub, private=private, token=token)
     return result
-
-
-def _verify(base: Path, kha_dir: Path, dtype: str | None, what: str) -> None:
-    from .verify import verify_conversion
-
-    print(f"verifying: loading {what} and the KHA checkpoint, comparing logits and greedy tokens")
-    verify_conversion(base, kha_dir, dtype=dtype or "float32", offer_tokenizer=False)  # kha convert has no --tokenizer
 
 
 def check_base_config(base_config: dict, folder: Path) -> None:
@@ -205,9 +198,7 @@ def check_base_config(base_config: dict, folder: Path) -> None:
         raise KHAError(f"{folder} is already a KHA checkpoint (model_type 'kha')")
     try:
         base_config_class(model_type)
-    except ValueError as err:
-        raise KHAError(f"{folder}: {err}") from err
-    try:  # a head KHA lacks is refused, not dropped
+        # a head KHA lacks is refused, not dropped
         kha_architecture(architectures_of(base_config, str(folder / "config.json")), model_type)
     except ValueError as err:
         raise KHAError(f"{folder}: {err}") from err
@@ -270,11 +261,7 @@ def _convert_folder(
         raise KHAError(f"{source.folder} already has a shard named {KNOCKS_FILE}, the file kha writes the knocks to")
     # transformers reads model.safetensors in preference to an index, so a single-file source gets a shard name
     renamed = {SINGLE_FILE: SINGLE_SHARD} if shards == [SINGLE_FILE] else {}
-    to_cast = {
-        name
-        for name in shards
-        if any(i.dtype.is_floating_point and i.dtype != target_dtype for i in tensors.values() if i.file == name)
-    }
+    to_cast = {info.file for info in tensors.values() if info.dtype.is_floating_point and info.dtype != target_dtype}
     needed = sum((source.folder / name).stat().st_size for name in shards if name in to_cast or not link)
     check_free_space(out, needed + (1 << 20), f"the shards of {source.name}")
     placed = []

@@ -19,10 +19,8 @@ from typing import TYPE_CHECKING
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT_TO_TEXT_LMS
 
 from ..checkpoint.knock_reader import open_kha_checkpoint
 from ..checkpoint.output import atomic_output_dir, carry_over_files, check_free_space, place_file, report_placement
@@ -103,8 +101,8 @@ def fold(
         raise KHAError(control_refusal(f"{kha_dir}: {config.control_knocks}", "kha fold"))
     linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
     mlps = config.nonlinear_targets
+    names = "/".join(t.upper() for t in mlps)  # the knocks a partial fold keeps
     if mlps:
-        names = "/".join(t.upper() for t in mlps)
         if not partial:
             raise KHAError(
                 f"{mlp_knocks_phrase(mlps)} (KHA-MLP), which is non-linear and cannot be folded into "
@@ -131,11 +129,11 @@ def fold(
     with atomic_output_dir(out, overwrite=overwrite, marker="fold") as tmp:
         weight_map, placed = {}, []
         for file in tqdm(shard_files(tensors), desc="fold shards", unit="shard", disable=not progress):
-            names = [n for n, info in tensors.items() if info.file == file]
-            kept = [n for n in names if n not in dropped]
+            in_file = [n for n, info in tensors.items() if info.file == file]
+            kept = [n for n in in_file if n not in dropped]
             if not kept:
                 continue  # a file of knocks only
-            if len(kept) < len(names) or any(n in plan for n in names):  # knocks to drop or to fold in
+            if len(kept) < len(in_file) or any(n in plan for n in in_file):  # knocks to drop or to fold in
                 with safe_open(kha_dir / file, framework="pt") as f:
                     metadata = f.metadata() or {"format": "pt"}
                     new = {}
@@ -156,32 +154,23 @@ def fold(
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         carry_over_files(kha_dir, tmp)
         if partial:
-            remaining = KHAConfig(**{**config.to_dict(), **{f"knock_{t}": "none" for t in linear}})
-            remaining.architectures = [kind]
-            remaining.to_json_file(tmp / "config.json")
+            written = card_config = KHAConfig(**{**config.to_dict(), **{f"knock_{t}": "none" for t in linear}})
+            written.architectures = [kind]
             copy_model_code(tmp)
+            what = f"a KHA checkpoint whose {names} MLP remains"
         else:
-            base = config.to_base_config()
-            models = (
-                MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-                if config.is_multimodal
-                else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-            )
-            base.architectures = [heads.get(kind) or models[config.base_model_type]]
-            base.dtype = config.dtype
-            base.to_json_file(tmp / "config.json")
+            written, card_config = config.to_base_config(), config
+            lms = IMAGE_TEXT_TO_TEXT_LMS if config.is_multimodal else CAUSAL_LMS
+            written.architectures = [heads.get(kind) or lms[config.base_model_type]]
+            written.dtype = config.dtype
+            what = f"a plain `{config.base_model_type}` checkpoint"
+        written.to_json_file(tmp / "config.json")
         source = read_source_card(kha_dir)
         source.body = ""  # the KHA card describes knocks that are gone; keep its Hub metadata only
-        what = (
-            f"a KHA checkpoint whose {names} MLP remains"
-            if partial
-            else f"a plain `{config.base_model_type}` checkpoint"
-        )
         description = (
             f"The linear knocks ({', '.join(t.upper() for t in linear)}) of a Knocking-Heads Attention model built on "
             f"{{base}} were absorbed into the q/k/v projections by `kha fold`, giving {what}: it computes what the "
             "KHA model computed, at no extra cost."
         )
-        folded_config = remaining if partial else config
-        (tmp / "README.md").write_text(kha_card(folded_config, source, "KHA-Linear model, folded", description))
+        (tmp / "README.md").write_text(kha_card(card_config, source, "KHA-Linear model, folded", description))
     return FoldResult(out, folded_knocks, partial)

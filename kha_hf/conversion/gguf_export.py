@@ -14,9 +14,10 @@ Anything llama.cpp's graph for the family would compute differently (a sliding w
 scale it does not take) is refused with one line, not written approximately.
 
 Streaming: tensor infos come from the safetensors headers; the data is then read, folded, converted and written one
-tensor at a time; a large matrix that needs only its type changed (the embedding, MLP weights) is read, converted and
-written ROW_BLOCK rows at a time (`RowBlocks`), so memory is about the largest attention tensor, never the model. The
-file is written to a temporary name beside OUT and renamed when complete (`checkpoint.output.atomic_output_file`).
+tensor at a time; a large matrix that needs only its type changed (the embedding, MLP weights) is read, converted
+and written ROW_BLOCK rows at a time (`StreamedArray`), so memory is about the largest attention tensor, never the
+model. The file is written to a temporary name beside OUT and renamed when complete
+(`checkpoint.output.atomic_output_file`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from ..modeling.configuration_kha import TARGET_WORDS, control_refusal, mlp_knoc
 from .fold_plan import checked_fold_plan, fold_checked
 from .gguf_pretokenizers import KNOWN_PRE_TYPES
 
-OUTTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+# --outtype -> gguf.LlamaFileType's name; the matrices' gguf.GGMLQuantizationType is the outtype's upper case
+FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+OUTTYPES = ("auto", *FILE_TYPES)
 GGUF_MAGIC = b"GGUF"
 # Metadata key of every GGUF file kha writes: --overwrite replaces only such files (as folders need kha's marker)
 KHA_GGUF_MARKER = "kha.written_by"
@@ -132,9 +135,9 @@ def export_gguf(
     )
     checkpoint = open_checkpoint(kha_dir, True, accept=_known_type, build=_gguf_config, causal_lm=not_lm)
     warnings: list[str] = []
-    kha = None
-    if checkpoint.is_kha:
-        kha = KHACheckpoint.of(checkpoint)
+    kha = KHACheckpoint.of(checkpoint) if checkpoint.is_kha else None
+    base, model_type, linear = checkpoint.base_config, checkpoint.model_type, []
+    if kha is not None:
         config = kha.config
         if config.control_knocks:
             raise KHAError(control_refusal(f"{kha_dir}: {config.control_knocks}", "the GGUF export"))
@@ -147,10 +150,7 @@ def export_gguf(
                 "that folds into GGUF, or serve this one with `kha serve` or vLLM's Transformers backend"
             )
         linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
-        base, model_type = checkpoint.base_config, config.base_model_type
-    else:
-        config, linear = None, []
-        base, model_type = checkpoint.base_config, checkpoint.model_type
+        model_type = config.base_model_type
     family = FAMILIES.get(model_type)
     if family is None:
         raise KHAError(
@@ -159,11 +159,8 @@ def export_gguf(
             "llama.cpp's convert_hf_to_gguf.py if llama.cpp supports it"
         )
     tensors = checkpoint.tensors
-    plan: dict = {}
-    folded: list[str] = []
-    if kha is not None:
-        plan, folded = checked_fold_plan(kha, linear)
-    elif any(KNOCK_KEY.match(n) for n in tensors):
+    plan, folded = checked_fold_plan(kha, linear) if kha is not None else ({}, [])
+    if kha is None and any(KNOCK_KEY.match(n) for n in tensors):
         raise KHAError(f"{kha_dir}: knock tensors in a checkpoint whose config.json is not a KHA config")
 
     check_checkpoint_tensors(checkpoint)
@@ -175,10 +172,9 @@ def export_gguf(
         )
     if outtype == "auto":
         outtype = _checkpoint_outtype(tensors)
-    meta = _Metadata(base, model_type, family, warnings)
-    vocab = read_vocab(kha_dir, base.vocab_size, tokenizer_pre)
-    plan_tensors = _plan_tensors(tensors, base, family, outtype, gguf, kha_dir)
-    plan_tensors += meta.extra_tensors(gguf, outtype)
+    hparams, generated = _hparams(base, model_type, family, warnings, gguf)
+    vocab, special_vocab = read_vocab(kha_dir, base.vocab_size, tokenizer_pre)
+    plan_tensors = _plan_tensors(tensors, base, family, outtype, gguf, kha_dir) + generated
     total = sum(t.nbytes for t in plan_tensors)
 
     with atomic_output_file(out, overwrite=overwrite) as tmp:
@@ -189,9 +185,10 @@ def export_gguf(
             writer.add_name(kha_dir.resolve().name)
             writer.add_string(KHA_GGUF_MARKER, f"kha-hf {__version__}")
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-            writer.add_file_type(FILE_TYPES[outtype](gguf))
-            meta.add_to(writer, gguf)
-            vocab.add_to(writer)
+            writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[outtype]])
+            for key, value in [*hparams.items(), *vocab.items()]:
+                getattr(writer, f"add_{key}")(value)
+            special_vocab.add_to_gguf(writer, quiet=True)
             for t in plan_tensors:
                 writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
             writer.write_header_to_file(tmp)
@@ -201,12 +198,8 @@ def export_gguf(
             with tqdm(
                 total=len(plan_tensors), desc="write GGUF", unit="tensor", disable=None if progress else True
             ) as bar:
-                for t, values in _tensor_values(kha_dir, tensors, plan_tensors, plan, base, family):
-                    if isinstance(values, RowBlocks):
-                        writer.write_tensor_data(StreamedArray(values, t, gguf, kha_dir))
-                    else:
-                        _check_finite(values, t, kha_dir)
-                        writer.write_tensor_data(_convert(values, t, gguf, kha_dir))
+                for data in _tensor_data(kha_dir, tensors, plan_tensors, plan, base, family, gguf):
+                    writer.write_tensor_data(data)
                     bar.update()
         except OSError as err:
             if err.errno is not None:
@@ -259,14 +252,6 @@ def written_by_kha(path: Path) -> bool:
         return False
 
 
-FILE_TYPES = {
-    "f32": lambda g: g.LlamaFileType.ALL_F32,
-    "f16": lambda g: g.LlamaFileType.MOSTLY_F16,
-    "bf16": lambda g: g.LlamaFileType.MOSTLY_BF16,
-    "q8_0": lambda g: g.LlamaFileType.MOSTLY_Q8_0,
-}
-
-
 def check_checkpoint_tensors(checkpoint: Checkpoint) -> None:
     """The weights are the tensors the config builds, name for name (knocks and the tied output aside): a config that
     does not describe them would give a file llama.cpp loads with other sizes or cannot load at all. Their shapes,
@@ -275,9 +260,8 @@ def check_checkpoint_tensors(checkpoint: Checkpoint) -> None:
     expected = checkpoint.shapes or {}
     given = {name for name in checkpoint.tensors if not KNOCK_KEY.match(name)}
     if getattr(checkpoint.base_config, "tie_word_embeddings", False):
-        given.discard(
-            "lm_head.weight"
-        )  # equal to the embeddings (checked when opened): the tied output llama.cpp builds
+        # equal to the embeddings (checked when opened): the tied output llama.cpp builds
+        given.discard("lm_head.weight")
     missing, extra = sorted(set(expected) - given), sorted(given - set(expected))
     if missing or extra:
         tied = " (tie_word_embeddings is true, yet the weights hold lm_head)" if "lm_head.weight" in extra else ""
@@ -339,122 +323,101 @@ def _checkpoint_outtype(tensors: dict) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "f32")
 
 
-class _Metadata:
-    """The family's hyper-parameters as llama.cpp reads them; refuses what its graph cannot express."""
-
-    def __init__(self, config, model_type: str, family: Family, warnings: list[str]):
-        self.c, self.model_type, self.family, self.warnings = config, model_type, family, warnings
-        c = config
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        rope = getattr(c, "rope_parameters", None) or {}
-        if "full_attention" in rope or "sliding_attention" in rope:
-            self.rope, self.rope_swa = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
-        else:
-            self.rope, self.rope_swa = rope, {}
-        self.rope_type = self.rope.get("rope_type", "default")
-        layer_types = list(getattr(c, "layer_types", None) or [])
-        self.sliding = [t == "sliding_attention" for t in layer_types] or [False] * c.num_hidden_layers
-        window = getattr(c, "sliding_window", None)
-        if model_type == "mistral" and window and window < c.max_position_embeddings:
-            self.sliding = [True] * c.num_hidden_layers  # Mistral v0.1: every layer, no layer_types
-        if model_type == "gemma3_text":
-            self._check_gemma3()
-        elif any(self.sliding) and window:
-            raise KHAError(
-                f"{model_type} with a sliding window ({window} tokens, layers "
-                f"{[i for i, s in enumerate(self.sliding) if s]}): llama.cpp's {family.arch} graph attends to the "
-                "whole context, so it would compute something else beyond the window"
-            )
-        elif model_type == "phi3" and window and window < c.max_position_embeddings:
-            warnings.append(
-                f"llama.cpp's phi3 graph has no sliding window: it agrees with this model for contexts up to "
-                f"{window} tokens (the model's window), as for every Phi-3 GGUF llama.cpp's own converter writes"
-            )
-        if self.rope_type not in ("default", "linear") and not (family.arch == "llama" and self.rope_type == "llama3"):
-            raise KHAError(
-                f"RoPE scaling {self.rope_type!r}: kha's GGUF export writes default, linear (and for Llama, llama3) "
-                "RoPE; llama.cpp's converter handles the others"
-            )
-        if getattr(c, "mlp_bias", False):
-            raise KHAError(f"{model_type} with mlp_bias: llama.cpp's {family.arch} graph has no MLP biases")
-        if model_type == "qwen3" and getattr(c, "attention_bias", False):
-            raise KHAError("qwen3 with attention_bias: llama.cpp's qwen3 graph has no q/k/v biases")
-        if model_type == "phi3":
-            factor = getattr(c, "partial_rotary_factor", None) or self.rope.get("partial_rotary_factor") or 1.0
-            self.rope_dims = int(factor * self.head_dim)
-        else:
-            self.rope_dims = self.head_dim
-
-    def _check_gemma3(self) -> None:
-        c = self.c
+def _hparams(c, model_type: str, family: Family, warnings: list[str], gguf) -> tuple[dict, list[_Tensor]]:
+    """The family's hyper-parameters as llama.cpp reads them: GGUFWriter's `add_KEY(value)` calls as KEY -> value,
+    and the tensors it takes some of them as (Llama 3's RoPE factors); refuses what its graph cannot express."""
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rope, rope_swa = getattr(c, "rope_parameters", None) or {}, {}
+    if "full_attention" in rope or "sliding_attention" in rope:
+        rope, rope_swa = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    rope_type = rope.get("rope_type", "default")
+    layer_types = list(getattr(c, "layer_types", None) or [])
+    sliding = [t == "sliding_attention" for t in layer_types] or [False] * c.num_hidden_layers
+    window = getattr(c, "sliding_window", None)
+    if model_type == "mistral" and window and window < c.max_position_embeddings:
+        sliding = [True] * c.num_hidden_layers  # Mistral v0.1: every layer, no layer_types
+    if model_type == "gemma3_text":
         if getattr(c, "attn_logit_softcapping", None):
             raise KHAError("gemma3 with attn_logit_softcapping: llama.cpp's gemma3 graph has no attention soft-cap")
         scalar = getattr(c, "query_pre_attn_scalar", None)
         big = c.num_hidden_layers == 62 and scalar == c.hidden_size // c.num_attention_heads  # llama.cpp's 27B rule
-        if scalar is not None and scalar != self.head_dim and not big:
+        if scalar is not None and scalar != head_dim and not big:
             raise KHAError(
-                f"gemma3 with query_pre_attn_scalar {scalar} and head_dim {self.head_dim}: llama.cpp's gemma3 graph "
+                f"gemma3 with query_pre_attn_scalar {scalar} and head_dim {head_dim}: llama.cpp's gemma3 graph "
                 "scales queries by 1/sqrt(head_dim) (the 27B size aside)"
             )
-        if self.rope_swa.get("rope_type", "default") != "default":
+        if rope_swa.get("rope_type", "default") != "default":
             raise KHAError("gemma3 with RoPE scaling on sliding layers: llama.cpp scales the global layers only")
+    elif any(sliding) and window:
+        raise KHAError(
+            f"{model_type} with a sliding window ({window} tokens, layers "
+            f"{[i for i, s in enumerate(sliding) if s]}): llama.cpp's {family.arch} graph attends to the "
+            "whole context, so it would compute something else beyond the window"
+        )
+    elif model_type == "phi3" and window and window < c.max_position_embeddings:
+        warnings.append(
+            f"llama.cpp's phi3 graph has no sliding window: it agrees with this model for contexts up to "
+            f"{window} tokens (the model's window), as for every Phi-3 GGUF llama.cpp's own converter writes"
+        )
+    if rope_type not in ("default", "linear") and not (family.arch == "llama" and rope_type == "llama3"):
+        raise KHAError(
+            f"RoPE scaling {rope_type!r}: kha's GGUF export writes default, linear (and for Llama, llama3) "
+            "RoPE; llama.cpp's converter handles the others"
+        )
+    if getattr(c, "mlp_bias", False):
+        raise KHAError(f"{model_type} with mlp_bias: llama.cpp's {family.arch} graph has no MLP biases")
+    if model_type == "qwen3" and getattr(c, "attention_bias", False):
+        raise KHAError("qwen3 with attention_bias: llama.cpp's qwen3 graph has no q/k/v biases")
+    rotary = getattr(c, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
+    rope_dims = int(rotary * head_dim) if model_type == "phi3" else head_dim
+    meta = {
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "feed_forward_length": c.intermediate_size,
+        "block_count": c.num_hidden_layers,
+        "head_count": c.num_attention_heads,
+        "head_count_kv": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        "key_length": head_dim,
+        "value_length": head_dim,
+        "layer_norm_rms_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size,
+        "rope_dimension_count": rope_dims,
+        "rope_freq_base": float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+    }
+    if rope_type == "linear":
+        meta.update(rope_scaling_type=gguf.RopeScalingType.LINEAR, rope_scaling_factor=float(rope["factor"]))
+    if model_type == "phi3":
+        original = rope.get("original_max_position_embeddings") or getattr(c, "original_max_position_embeddings", None)
+        meta["rope_scaling_orig_ctx_len"] = int(original or c.max_position_embeddings)
+        meta["sliding_window"] = 0  # llama.cpp: 0 marks Phi-3 (not Phi-4); its graph has no window either way
+    if model_type == "gemma3_text" and any(sliding):
+        theta = rope_swa.get("rope_theta") or getattr(c, "rope_local_base_freq", None) or 10000.0
+        meta.update(sliding_window=c.sliding_window, sliding_window_pattern=sliding, rope_freq_base_swa=float(theta))
+    if model_type == "gemma3_text" and getattr(c, "final_logit_softcapping", None):
+        meta["final_logit_softcapping"] = float(c.final_logit_softcapping)
+    return meta, _rope_freqs(rope, head_dim, gguf) if rope_type == "llama3" else []
 
-    def add_to(self, w, gguf) -> None:
-        c = self.c
-        w.add_context_length(c.max_position_embeddings)
-        w.add_embedding_length(c.hidden_size)
-        w.add_feed_forward_length(c.intermediate_size)
-        w.add_block_count(c.num_hidden_layers)
-        w.add_head_count(c.num_attention_heads)
-        w.add_head_count_kv(self.n_kv)
-        w.add_key_length(self.head_dim)
-        w.add_value_length(self.head_dim)
-        w.add_layer_norm_rms_eps(c.rms_norm_eps)
-        w.add_vocab_size(c.vocab_size)
-        w.add_rope_dimension_count(self.rope_dims)
-        w.add_rope_freq_base(float(self.rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
-        if self.rope_type == "linear":
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(float(self.rope["factor"]))
-        if self.model_type == "phi3":
-            original = self.rope.get("original_max_position_embeddings") or getattr(
-                c, "original_max_position_embeddings", None
-            )
-            w.add_rope_scaling_orig_ctx_len(int(original or c.max_position_embeddings))
-            w.add_sliding_window(0)  # llama.cpp: 0 marks Phi-3 (not Phi-4); its graph has no window either way
-        if self.model_type == "gemma3_text":
-            if any(self.sliding):
-                w.add_sliding_window(c.sliding_window)
-                w.add_sliding_window_pattern(self.sliding)
-                theta = self.rope_swa.get("rope_theta") or getattr(c, "rope_local_base_freq", None) or 10000.0
-                w.add_rope_freq_base_swa(float(theta))
-            if getattr(c, "final_logit_softcapping", None):
-                w.add_final_logit_softcapping(float(c.final_logit_softcapping))
 
-    def extra_tensors(self, gguf, outtype: str) -> list[_Tensor]:
-        """Llama 3's RoPE scaling is a tensor of per-frequency factors in llama.cpp (`rope_freqs.weight`)."""
-        if self.rope_type != "llama3":
-            return []
-        r, dim = self.rope, self.head_dim
-        base = float(r.get("rope_theta", 10000.0))
-        freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        factor, low, high = r.get("factor", 8.0), r.get("low_freq_factor", 1.0), r.get("high_freq_factor", 4.0)
-        old = r.get("original_max_position_embeddings", 8192)
-        low_wavelen, high_wavelen = old / low, old / high
-        factors = []
-        for freq in freqs.tolist():
-            wavelen = 2 * math.pi / freq
-            if wavelen < high_wavelen:
-                factors.append(1.0)
-            elif wavelen > low_wavelen:
-                factors.append(factor)
-            else:
-                smooth = (old / wavelen - low) / (high - low)
-                factors.append(1 / ((1 - smooth) / factor + smooth))
-        data = torch.tensor(factors, dtype=torch.float32)
-        f32 = gguf.GGMLQuantizationType.F32
-        return [_Tensor("", "rope_freqs.weight", tuple(data.shape), f32, data.numel() * 4, data)]
+def _rope_freqs(r: dict, dim: int, gguf) -> list[_Tensor]:
+    """Llama 3's RoPE scaling is a tensor of per-frequency factors in llama.cpp (`rope_freqs.weight`)."""
+    base = float(r.get("rope_theta", 10000.0))
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = r.get("factor", 8.0), r.get("low_freq_factor", 1.0), r.get("high_freq_factor", 4.0)
+    old = r.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old / low, old / high
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    data = torch.tensor(factors, dtype=torch.float32)
+    f32 = gguf.GGMLQuantizationType.F32
+    return [_Tensor("", "rope_freqs.weight", tuple(data.shape), f32, data.numel() * 4, data)]
 
 
 def _plan_tensors(tensors: dict, config, family: Family, outtype: str, gguf, folder: Path) -> list[_Tensor]:
@@ -472,7 +435,8 @@ def _plan_tensors(tensors: dict, config, family: Family, outtype: str, gguf, fol
             raise KHAError(f"{folder}: tensor {source} has no place in llama.cpp's {family.arch} graph")
         shape = tuple(tensors[source].shape)
         qtype = _qtype(name, shape, outtype, gguf)
-        planned.append(_Tensor(source, name, shape, qtype, _nbytes(shape, qtype, gguf)))
+        nbytes = math.prod(gguf.quant_shape_to_byte_shape(shape, qtype))
+        planned.append(_Tensor(source, name, shape, qtype, nbytes))
     return planned
 
 
@@ -484,26 +448,22 @@ def _qtype(name: str, shape: tuple[int, ...], outtype: str, gguf):
     Q = gguf.GGMLQuantizationType
     if len(shape) <= 1 or name.endswith("_norm.weight"):
         return Q.F32  # as llama.cpp's converter: vectors and norms stay float32
-    qtype = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[outtype]
+    qtype = Q[outtype.upper()]
     if qtype == Q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
         return Q.F16  # a row Q8_0 cannot block: f16, as llama.cpp's converter does
     return qtype
 
 
-def _nbytes(shape: tuple[int, ...], qtype, gguf) -> int:
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    return math.prod(shape[:-1]) * (shape[-1] // block) * size
-
-
-def _tensor_values(
-    folder: Path, tensors: dict, planned: list[_Tensor], plan: dict, config, family: Family
-) -> Iterator[tuple[_Tensor, torch.Tensor | RowBlocks]]:
-    """(tensor, float32 values as llama.cpp wants them) in PLANNED's order; one checkpoint tensor in memory at once."""
+def _tensor_data(
+    folder: Path, tensors: dict, planned: list[_Tensor], plan: dict, config, family: Family, gguf
+) -> Iterator[np.ndarray | StreamedArray]:
+    """Each of PLANNED's tensors, in order, as `GGUFWriter.write_tensor_data` takes it: its float32 values as llama.cpp
+    wants them, checked finite and converted to its GGUF type; one checkpoint tensor in memory at once."""
     handle, handle_file = None, None
     try:
         for t in planned:
             if t.data is not None:
-                yield t, t.data
+                yield _convert(t.data, t, gguf, folder)
                 continue
             file = tensors[t.source].file
             if file != handle_file:
@@ -512,7 +472,9 @@ def _tensor_values(
             shifted = family.norm_shift and t.name.endswith("norm.weight")
             untouched = t.source not in plan and not permuted and not shifted
             if untouched and len(t.shape) == 2 and t.shape[0] > ROW_BLOCK:  # a large matrix (embedding, MLP)
-                yield t, RowBlocks(handle, t.source, t.shape[0])
+                view = handle.get_slice(t.source)  # read ROW_BLOCK rows at a time, as it is written
+                blocks = (view[i : i + ROW_BLOCK].float() for i in range(0, t.shape[0], ROW_BLOCK))
+                yield StreamedArray(blocks, t, gguf, folder)
                 continue
             values = handle.get_tensor(t.source)
             for knock, rows in plan.get(t.source, ()):
@@ -524,50 +486,30 @@ def _tensor_values(
                 values = _permute(values, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
             if family.norm_shift and t.name.endswith("norm.weight"):
                 values = values + family.norm_shift
-            yield t, values
+            yield _convert(values, t, gguf, folder)
             del values
     finally:
         del handle
 
 
-@dataclass
-class RowBlocks:
-    """A large checkpoint matrix that needs no change but its type, read ROW_BLOCK rows at a time (safetensors
-    slices), so that neither it nor its converted copy is ever held whole."""
-
-    handle: object  # the open safetensors file
-    source: str
-    rows: int
-
-    def blocks(self) -> Iterator[torch.Tensor]:
-        view = self.handle.get_slice(self.source)
-        for start in range(0, self.rows, ROW_BLOCK):
-            yield view[start : start + ROW_BLOCK].float()
-
-
 class StreamedArray:
-    """What `GGUFWriter.write_tensor_data` takes of an array (gguf 0.19 reads `nbytes` and calls `tofile`), made
-    block by block from a `RowBlocks`: each block converted (and checked finite) just before it is written."""
+    """What `GGUFWriter.write_tensor_data` takes of an array (gguf 0.19 reads `nbytes` and calls `tofile`), made of
+    BLOCKS: the ROW_BLOCK-row slices of a large checkpoint matrix that needs no change but its type, each converted
+    (and checked finite) just before it is written, so that neither the matrix nor its converted copy is ever held
+    whole."""
 
-    def __init__(self, source: RowBlocks, t: _Tensor, gguf, folder: Path) -> None:
-        self.source, self.t, self.gguf, self.folder = source, t, gguf, folder
+    def __init__(self, blocks: Iterator[torch.Tensor], t: _Tensor, gguf, folder: Path) -> None:
+        self.blocks, self.t, self.gguf, self.folder = blocks, t, gguf, folder
         self.nbytes = t.nbytes
 
     def tofile(self, fout) -> None:
         written = 0
-        for block in self.source.blocks():
-            _check_finite(block, self.t, self.folder)
+        for block in self.blocks:
             data = _convert(block, self.t, self.gguf, self.folder)
             data.tofile(fout)
             written += data.nbytes
         if written != self.nbytes:
             raise KHAError(f"{self.folder}: tensor {self.t.source} gave {written} bytes, {self.nbytes} expected")
-
-
-def _check_finite(values: torch.Tensor, t: _Tensor, folder: Path) -> None:
-    if not torch.isfinite(values).all():
-        bad = int((~torch.isfinite(values)).sum())
-        raise KHAError(f"{folder}: tensor {t.source} holds {bad} NaN or infinite values; refusing to write it")
 
 
 def _permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -580,7 +522,10 @@ def _permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _convert(values: torch.Tensor, t: _Tensor, gguf, folder: Path) -> np.ndarray:
-    """VALUES in T's GGUF type, ROW_BLOCK rows at a time into one output array."""
+    """VALUES, checked finite, in T's GGUF type, ROW_BLOCK rows at a time into one output array."""
+    if not torch.isfinite(values).all():
+        bad = int((~torch.isfinite(values)).sum())
+        raise KHAError(f"{folder}: tensor {t.source} holds {bad} NaN or infinite values; refusing to write it")
     Q = gguf.GGMLQuantizationType
     array = values.numpy()
     if t.qtype == Q.F32:

@@ -118,18 +118,9 @@ PRE_TYPES: dict[str, str] = {
 }
 
 
-# every pre-tokenizer type llama.cpp's llama-vocab.cpp (llama-cpp-python 0.3.36) accepts in tokenizer.ggml.pre
-KNOWN_PRE_TYPES = frozenset(
-    {
-        *PRE_TYPES.values(),
-        *"""default llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 deepseek-llm deepseek-coder
-        deepseek-v3 youtu falcon mpt starcoder gpt-2 phi-2 jina-es jina-de gigachat jina-v1-en jina-v2-es jina-v2-de
-        a.x-4.0 mellum refact command-r qwen2 deepseek-r1-qwen qwen35 stablelm2 olmo dbrx smaug-bpe poro-chat
-        jina-v2-code viking jais tekken smollm codeshell bloom gpt3-finnish exaone exaone4 exaone-moe chameleon
-        minerva-7b megrez gpt-4o superbpe trillion granite-docling bailingmoe seed-coder hunyuan hunyuan-dense
-        kimi-k2 grok-2 afmoe minimax-m2 solar-open chatglm-bpe glm4 roberta-bpe""".split(),
-    }
-)
+# every pre-tokenizer type llama.cpp's llama-vocab.cpp (llama-cpp-python 0.3.36) accepts in tokenizer.ggml.pre: the
+# table's names, and those no hash names (llama.cpp's aliases and its types without a hash)
+KNOWN_PRE_TYPES = frozenset({*PRE_TYPES.values(), "default", "llama3", "llama-v3", "jina-es", "jina-de", "olmo"})
 
 
 def check_hash(tokenizer) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..common.errors import KHAError
@@ -27,36 +26,12 @@ SPIECE_SPACE = "\u2581"
 UNREACHABLE = -1e9  # the score of a token no merge makes
 
 
-@dataclass
-class GGUFVocab:
-    model: str  # tokenizer.ggml.model: "gpt2" or "llama"
-    pre: str  # tokenizer.ggml.pre
-    tokens: list[str]
-    types: list[int]  # gguf.TokenType
-    scores: list[float] | None = None
-    merges: list[str] = field(default_factory=list)
-    special: object = None  # gguf.SpecialVocab
-    add_bos: bool = False
-    add_eos: bool = False
-    add_space_prefix: bool | None = None
-
-    def add_to(self, writer) -> None:
-        writer.add_tokenizer_model(self.model)
-        writer.add_tokenizer_pre(self.pre)
-        writer.add_token_list(self.tokens)
-        if self.scores is not None:
-            writer.add_token_scores(self.scores)
-        writer.add_token_types(self.types)
-        if self.merges:
-            writer.add_token_merges(self.merges)
-        if self.add_space_prefix is not None:
-            writer.add_add_space_prefix(self.add_space_prefix)
-        self.special.add_to_gguf(writer, quiet=True)
-
-
-def read_vocab(folder: Path, vocab_size: int, pre: str | None = None) -> GGUFVocab:
-    """FOLDER's tokenizer as GGUF metadata for a model with VOCAB_SIZE embedding rows; KHAError (one line) when the
-    folder lacks what GGUF needs. PRE names llama.cpp's pre-tokenizer type for a BPE tokenizer whose hash is unknown."""
+def read_vocab(folder: Path, vocab_size: int, pre: str | None = None) -> tuple[dict, object]:
+    """FOLDER's tokenizer as GGUF metadata for a model with VOCAB_SIZE embedding rows: GGUFWriter's `add_KEY(value)`
+    calls as KEY -> value (tokenizer model "gpt2" or "llama", pre-type, tokens, scores, gguf.TokenType per token,
+    merges, space prefix), and the gguf.SpecialVocab that adds the special tokens and chat template; KHAError (one
+    line) when the folder lacks what GGUF needs. PRE names llama.cpp's pre-tokenizer type for a BPE tokenizer whose
+    hash is unknown."""
     import gguf
 
     path = folder / "tokenizer.json"
@@ -101,9 +76,10 @@ def read_vocab(folder: Path, vocab_size: int, pre: str | None = None) -> GGUFVoc
         raise KHAError(f"{folder}/tokenizer.json is a {kind} tokenizer; kha's GGUF export writes BPE and Unigram ones")
 
     tokens, types = _tokens_and_types(tokenizer, vocab, vocab_size, gguf)
-    scores = None
+    meta = {"tokenizer_model": model, "tokenizer_pre": pre, "token_list": tokens}
     if model == "llama":
-        scores = _scores(spec, vocab, vocab_size, kind)
+        meta["token_scores"] = _scores(spec, vocab, vocab_size, kind)
+    meta["token_types"] = types
     logging.getLogger("gguf").setLevel(logging.ERROR)  # SpecialVocab logs every choice at INFO/WARNING
     special = gguf.SpecialVocab(folder, load_merges=model == "gpt2", n_vocab=len(tokens))
     if model == "gpt2" and not special.merges:
@@ -116,22 +92,12 @@ def read_vocab(folder: Path, vocab_size: int, pre: str | None = None) -> GGUFVoc
     add_bos = tokenizer.bos_token_id is not None and len(ids) > len(plain) and ids[0] == tokenizer.bos_token_id
     add_eos = tokenizer.eos_token_id is not None and len(ids) > len(plain) and ids[-1] == tokenizer.eos_token_id
     special.add_special_token.update(bos=add_bos, eos=add_eos)
-    space_prefix = None
-    if model == "llama":  # llama.cpp's SentencePiece tokenizer prepends a space unless told not to
+    if model == "gpt2":
+        meta["token_merges"] = special.merges
+    else:  # llama.cpp's SentencePiece tokenizer prepends a space unless told not to
         first = tokenizer.convert_ids_to_tokens(tokenizer("hello", add_special_tokens=False)["input_ids"][:1])
-        space_prefix = bool(first) and first[0].startswith(SPIECE_SPACE)
-    return GGUFVocab(
-        model=model,
-        pre=pre,
-        tokens=tokens,
-        types=types,
-        scores=scores,
-        merges=special.merges if model == "gpt2" else [],
-        special=special,
-        add_bos=add_bos,
-        add_eos=add_eos,
-        add_space_prefix=space_prefix,
-    )
+        meta["add_space_prefix"] = bool(first) and first[0].startswith(SPIECE_SPACE)
+    return meta, special
 
 
 def _structural_pre(spec: dict) -> str | None:
@@ -172,13 +138,12 @@ def _tokens_and_types(tokenizer, vocab: dict[str, int], vocab_size: int, gguf) -
 def _scores(spec: dict, vocab: dict[str, int], vocab_size: int, kind: str) -> list[float]:
     """SentencePiece scores: Unigram's own; for BPE, -rank of the merge that makes each token, so that llama.cpp's
     highest-score-first merging follows the tokenizer's merge order (a token no merge makes: the lowest score)."""
+    scores = [UNREACHABLE] * vocab_size
     if kind == "Unigram":
-        scores = [UNREACHABLE] * vocab_size
         for i, (_piece, score) in enumerate(spec["model"]["vocab"]):
             if i < vocab_size:
                 scores[i] = float(score)
         return scores
-    scores = [UNREACHABLE] * vocab_size
     for rank, merge in enumerate(spec["model"].get("merges") or []):
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
         i = vocab.get(left + right)

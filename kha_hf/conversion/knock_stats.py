@@ -75,10 +75,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def to_json(rows: list[dict]) -> str:
-    return json.dumps(rows, indent=2)
-
-
 def knock_heatmaps(kha_dir: str | Path | KHACheckpoint) -> dict[tuple[str, int], torch.Tensor]:
     """(knock label, layer) -> T − T0, the matrix the heatmaps show (T itself: row i, column j is T[i, j])."""
     cells = {}
@@ -137,8 +133,7 @@ def plot_knocks(kha_dir: str | Path | KHACheckpoint, path: str | Path, max_layer
                 ax.set_title(f"layer {layer}", fontsize=8)
             if j == 0:
                 ax.set_ylabel(knock, fontsize=9)
-    moved = scale > 0 and any(v.abs().max().item() > 0 for v in cells.values())
-    state = "minus their initial value (T − T0)" if moved else "all still at their initial value (T − T0 = 0)"
+    state = "minus their initial value (T − T0)" if scale > 0 else "all still at their initial value (T − T0 = 0)"
     shown = f"{len(layers)} of {len({layer for _, layer in cells})} layers"
     fig.suptitle(f"knocks of {name} {state}; {shown}", fontsize=10)
     if image is not None:
@@ -163,7 +158,7 @@ def inspect(kha_dir: str | Path, plot: str | None = None, overwrite: bool = Fals
         check_place(plot, [Path(kha_dir)])  # KHA_DIR is read-only: no plot inside it
     kha = open_kha_checkpoint(kha_dir)
     rows = knock_statistics(kha)
-    print(to_json(rows) if as_json else format_table(rows))
+    print(json.dumps(rows, indent=2) if as_json else format_table(rows))
     if plot:
         with atomic_output_file(plot, overwrite=overwrite) as tmp:  # appears complete, or not at all
             plot_knocks(kha, tmp, max_layers=max_layers or None)

@@ -113,25 +113,11 @@ def verify_conversion(
         )
     if base_checkpoint is not None:
         base_checkpoint.check_not_task_head()
+    both = {"attn_implementation": "eager", "tokenizer": tokenizer, "offer_tokenizer": offer_tokenizer}
     base_model, _ = load_causal_lm(
-        base,
-        dtype,
-        device,
-        attn_implementation="eager",
-        trust_remote_code=trust_remote_code,
-        tokenizer=tokenizer,
-        offer_tokenizer=offer_tokenizer,
-        checked=base_checkpoint,
+        base, dtype, device, trust_remote_code=trust_remote_code, checked=base_checkpoint, **both
     )
-    kha_model, tokenizer = load_causal_lm(
-        kha_dir,
-        dtype,
-        device,
-        attn_implementation="eager",
-        tokenizer=tokenizer,
-        offer_tokenizer=offer_tokenizer,
-        checked=kha.checkpoint,
-    )
+    kha_model, tokenizer = load_causal_lm(kha_dir, dtype, device, checked=kha.checkpoint, **both)
     max_diff, base_tokens, kha_tokens = compare_models(
         base_model, kha_model, tokenizer, prompts, max_new_tokens, echo=echo
     )
