@@ -102,6 +102,8 @@ def fold(
     linear = [t for t in ("q", "k", "v") if getattr(config, f"knock_{t}") == "linear"]
     mlps = config.nonlinear_targets
     names = "/".join(t.upper() for t in mlps)  # the knocks a partial fold keeps
+    if partial and not mlps:  # it would write a KHA checkpoint without knocks
+        raise KHAError("--partial keeps an MLP knock, and this model has none: fold it without --partial")
     if mlps:
         if not partial:
             raise KHAError(

@@ -81,11 +81,22 @@ def test_partial_fold_keeps_the_value_mlp(tmp_path):
         "none",
         "mlp",
     )
+    # the card names the knock that remains (a reused variable once put the shard's tensor names there)
+    assert "a KHA checkpoint whose V MLP remains" in (result.output / "README.md").read_text()
     partial = KHAForCausalLM.from_pretrained(result.output)
     assert partial.model.layers[0].self_attn.q_knock is None
     ids = torch.randint(3, 128, (2, 10))
     with torch.no_grad():
         assert_close(partial(ids).logits, kha(ids).logits, atol=1e-5)
+
+
+def test_partial_fold_of_a_model_without_an_mlp_knock_is_one_line(tmp_path, capsys):
+    _trained("llama", "linear_v", tmp_path)
+    capsys.readouterr()  # the fixture's progress bars
+    assert main(["fold", str(tmp_path / "kha"), str(tmp_path / "out"), "--partial"]) == 2
+    err = capsys.readouterr().err
+    assert "--partial keeps an MLP knock, and this model has none" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
 
 
 def test_fold_copies_untouched_shards_byte_for_byte(tmp_path):
