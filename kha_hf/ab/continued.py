@@ -355,7 +355,7 @@ def _run(s: ContinuedAB, output: Path, cache_dir: Path | None = None) -> dict:
         "tuning": tuning,
         "chosen_lr": best,
         "grid_extensions": s.grid_extensions,
-        "at_grid_edge": {arm: bool(_beyond_the_edge(tuning[arm], lr)) for arm, lr in best.items()},
+        "at_grid_edge": {arm: _at_edge(tuning[arm], lr) for arm, lr in best.items()},
         **s.extra,
         "arms": arm_table(runs, before, s.arms),
         "comparisons": [compare(runs, arm, control) for arm, control in comparisons(s.arms)],
@@ -397,10 +397,14 @@ def _loss(value: float) -> float:
     return value if value == value else float("inf")
 
 
+def _at_edge(tried: list[dict], best: float) -> bool:
+    """True if BEST is the lowest or highest of two or more rates TRIED (after any extensions)."""
+    return bool(_beyond_the_edge(tried, best))
+
+
 def _beyond_the_edge(tried: list[dict], best: float) -> list[float]:
-    """The next rate to try when BEST is the lowest or highest of two or more rates TRIED (the grid may not hold the
-    arm's best rate): one step further out, the step being the ratio between the two outermost rates on that side;
-    none ([]) when BEST is not at an edge."""
+    """The next rate to try when BEST is the lowest or highest rate TRIED (the grid may not hold the arm's best
+    rate): one step further out, the step being the ratio between the two outermost rates on that side."""
     rates = sorted({t["lr"] for t in tried})
     if len(rates) < 2 or rates[0] < best < rates[-1]:
         return []
