@@ -43,7 +43,7 @@ RUNS_DIR = "runs"  # finished runs, one JSON each, inside the output's temporary
 SETTINGS_FILE = "ab_settings.json"
 MAX_RUN_FILE = 256 << 20  # a kept run: its curve and per-step records (5000 steps: about 1 MB)
 MAX_BYTES = 1 << 20  # a --run-cache file: a few KB (block losses and a curve of at most a few hundred points)
-CODE = ("modeling", "peft", "training", "conversion", "common", "ab")  # what decides a run's numbers
+CODE = ("modeling", "peft", "training", "conversion", "common", "ab")  # the subpackages that decide a run's numbers
 PACKAGE = Path(__file__).resolve().parents[1]
 FIELDS = {f.name for f in dataclasses.fields(ArmRun)} - {"model"}
 NUMBERS = ("train_loss", "heldout_loss", "heldout_before", "lr", "validation_loss", "wall_seconds", "flops")
@@ -172,9 +172,8 @@ def keep(output: Path, run: ArmRun) -> None:
 def code_digest() -> str:
     """sha256 of the source of the parts of kha_hf that train and measure a run (CODE), in path order."""
     digest = hashlib.sha256()
-    for part in CODE:
-        path = PACKAGE / part
-        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.is_file() else []:
+    for part in CODE:  # each a subpackage (a folder)
+        for file in sorted((PACKAGE / part).rglob("*.py")):
             digest.update(str(file.relative_to(PACKAGE)).encode())
             digest.update(file.read_bytes())
     return digest.hexdigest()

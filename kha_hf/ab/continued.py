@@ -146,7 +146,7 @@ def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
     from ..conversion import convert
     from ..conversion.source import dequantize_gguf, resolve_source
     from ..data.corpus import SPLITS
-    from ..training.corpus_data import check_raw_data_fits, prepared_corpus
+    from ..training.corpus_data import prepared_corpus
     from ..training.data import OTHER_DOMAIN, other_domain_blocks, read_documents, train_validation_heldout_split
 
     source = resolve_source(s.model)
@@ -161,14 +161,13 @@ def _prepare(s: ContinuedAB, output: Path) -> _Prepared:
         print(f"converting {base_dir} to KHA ({s.knock}) in {kha_dir}")
         convert(base_dir, kha_dir, knock=s.knock, link=True, progress=False)
     tokenizer = load_tokenizer(base_dir, s.tokenizer, s.trust_remote_code)
-    corpus = prepared_corpus(s.data)
+    corpus = prepared_corpus(s.data)  # raw text is checked to fit in memory
     if corpus is not None:  # read lazily, with the splits kha tokenize set aside
         corpus.check_tokenizer(tokenizer)
         train, validation, heldout = (
             corpus.blocks(split, s.seq_len, None if split == "train" else s.eval_blocks) for split in SPLITS
         )
     else:
-        check_raw_data_fits(s.data)
         train, validation, heldout = train_validation_heldout_split(
             read_documents(s.data), tokenizer, s.seq_len, max_eval_blocks=s.eval_blocks
         )
@@ -400,8 +399,7 @@ def _loss(value: float) -> float:
 
 def _at_edge(tried: list[dict], best: float) -> bool:
     """True if BEST is the lowest or highest of two or more rates TRIED (after any extensions)."""
-    rates = sorted({t["lr"] for t in tried})
-    return len(rates) > 1 and best in (rates[0], rates[-1])
+    return bool(_beyond_the_edge(tried, best))
 
 
 def _beyond_the_edge(tried: list[dict], best: float) -> list[float]:

@@ -25,7 +25,7 @@ from ..checkpoint.paths import check_run_destination, is_training_run
 from ..common.errors import KHAError
 from ..data.corpus import TOKENIZER_DIR
 from ..modeling.modeling_kha import KHAForCausalLM
-from ..training.corpus_data import check_raw_data_fits, corpus_splits, prepared_corpus
+from ..training.corpus_data import corpus_splits, prepared_corpus
 from ..training.data import read_documents, train_heldout_split
 from ..training.presets import PRESETS
 from ..training.spikes import SPIKE_MARGIN, check_spike_margin
@@ -101,8 +101,7 @@ def ab(
         tokenizer = load_tokenizer(corpus.folder / TOKENIZER_DIR, None, offer_trust=False)
         config.vocab_size = len(tokenizer)
         train_set, heldout_set = corpus_splits(corpus, tokenizer, seq)
-    else:
-        check_raw_data_fits(data)
+    else:  # raw text, checked by prepared_corpus to fit in memory
         documents = read_documents(data)
         tokenizer = train_bpe_tokenizer(documents, config.vocab_size)
         config.vocab_size = len(tokenizer)

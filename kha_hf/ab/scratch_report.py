@@ -123,19 +123,14 @@ def compare_arms(runs: list[ArmRun], arm: str, control: str) -> dict:
 
 
 def arm_summary(runs: list[ArmRun]) -> dict:
+    # a from-scratch run measures neither its untrained loss (heldout_before stays null) nor its trainable parameters
     arms: dict[str, dict] = {}
     for run in runs:
-        entry = arms.setdefault(run.arm, {"per_seed": []})
         numbers = ("seed", "train_loss", "heldout_loss", "heldout_before")
-        entry["per_seed"].append({name: getattr(run, name) for name in numbers})
-        if run.trainable_parameters is not None:
-            entry["trainable_parameters"] = run.trainable_parameters
+        arms.setdefault(run.arm, {"per_seed": []})["per_seed"].append({name: getattr(run, name) for name in numbers})
     for entry in arms.values():
         losses = [p["heldout_loss"] for p in entry["per_seed"]]
         entry["heldout_loss_mean"] = sum(losses) / len(losses)
-        before = [p["heldout_before"] for p in entry["per_seed"] if p["heldout_before"] is not None]
-        if before:
-            entry["heldout_before_mean"] = sum(before) / len(before)
     return arms
 
 

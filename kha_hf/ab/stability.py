@@ -8,26 +8,22 @@ import math
 from pathlib import Path
 
 from ..common.statistics import seed_interval
-from ..training.spikes import SPIKE_MARGIN, SPIKE_WINDOW, count_spikes, spike_steps
+from ..training.spikes import SPIKE_MARGIN, SPIKE_WINDOW, spike_steps
+from ..training.stability import stability_metrics
 from .arm import ArmRun
 
 
-def _largest(rows: list[dict], key: str) -> float | None:
-    values = [row.get(key) if isinstance(row.get(key), list) else [row.get(key)] for row in rows]
-    return max((v for vs in values for v in vs if v is not None and math.isfinite(v)), default=None)
-
-
 def run_stability(run: ArmRun, margin: float = SPIKE_MARGIN) -> dict:
-    """One run's numbers: spikes (count and steps), the largest global and knock gradient norms, the largest logit."""
+    """One run's numbers: spikes (count and steps), the largest global and knock gradient norms, the largest logit
+    (those of `kha train`'s train_results.json: `training.stability.stability_metrics`)."""
     rows = run.stability or []
     losses = [math.nan if row.get("loss") is None else row["loss"] for row in rows]  # null: a NaN kept as JSON
+    metrics = stability_metrics(rows, margin)
     return {
         "seed": run.seed,
-        "spikes": count_spikes(losses, margin=margin),
+        "spikes": metrics["loss_spikes"],
         "spike_steps": [rows[i]["step"] for i in spike_steps(losses, margin=margin)],
-        "max_grad_norm": _largest(rows, "grad_norm"),
-        "max_knock_grad_norm": _largest(rows, "knock_grad_norm"),
-        "max_attention_logit": _largest(rows, "max_logit"),
+        **{key: metrics[key] for key in ("max_grad_norm", "max_knock_grad_norm", "max_attention_logit")},
     }
 
 

@@ -19,11 +19,11 @@ RUN_RECORD = "kha_data.json"  # in a run's folder: the data it trains on, checke
 
 
 def prepared_corpus(data: list[str] | None) -> PreparedCorpus | None:
-    """The prepared corpus `--data` names (opened and checked), or None for raw text sources."""
-    if not data:
-        return None
-    prepared = [d for d in data if is_prepared_corpus(d)]
+    """The prepared corpus `--data` names (opened and checked), or None for raw text sources (or none), which are
+    refused first where they would not fit in memory (`check_raw_data_fits`)."""
+    prepared = [d for d in data or [] if is_prepared_corpus(d)]
     if not prepared:
+        check_raw_data_fits(data)
         return None
     if len(data) > 1:
         raise KHAError(

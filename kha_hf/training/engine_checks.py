@@ -1,5 +1,6 @@
 """What a run checks on every rank as it starts, whatever engine shards it (DDP, FSDP2, DeepSpeed ZeRO-2/3):
-the knocks' starting values and the weight decay their optimizer groups apply.
+the knocks' starting values and the weight decay their optimizer groups apply; and as it ends, that every rank
+holds the same knocks.
 
 Each rank gathers what it holds: an FSDP2 parameter is a DTensor (`full_tensor()`), a ZeRO-3 parameter is a
 partition (`deepspeed.zero.GatheredParameters`), and ZeRO keeps the model's own parameters in its groups
@@ -9,6 +10,7 @@ partition (`deepspeed.zero.GatheredParameters`), and ZeRO keeps the model's own 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import torch
 from torch import nn
@@ -77,10 +79,13 @@ def engine_name(accelerator) -> str:
     return {"MULTI_CPU": "DDP (CPU)", "MULTI_GPU": "DDP", "NO": "one process"}.get(kind, kind)
 
 
-class StartCheck(TrainerCallback):
+class RankChecks(TrainerCallback):
     """At every start the main process prints the engine that runs (`engine: DeepSpeed ZeRO-3 on 2 process(es)`);
     at the first step of a new run every rank also reports its knocks' start and their weight decay, and the main
     process prints one line: `knocks at the start: identity on all N ranks; weight decay on knocks: [0.0]`.
+
+    In multi-process runs, it checks at the end that every rank holds the same knocks (DDP and FSDP full-state runs
+    must keep replicas identical); it prints one line saying so, or stops with an error naming the ranks that differ.
 
     It holds its trainer: Trainer hands callbacks the optimizer it had when it was built (None), not the one it
     makes at train time (transformers 5.25)."""
@@ -109,4 +114,23 @@ class StartCheck(TrainerCallback):
             decays = {tuple(r[1]) for r in reports if r[1] is not None}
             decay = ", ".join(str(list(d)) for d in sorted(decays)) if decays else "not known"
             print(f"knocks at the start: {start} on all {len(reports)} ranks; weight decay on knocks: {decay}")
+        return control
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        import torch.distributed as dist
+
+        if model is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return control
+        digest = hashlib.sha256()
+        for name, param in sorted(model.named_parameters()):
+            if is_knock_parameter(name):
+                full = param.full_tensor() if hasattr(param, "full_tensor") else param  # DTensor under FSDP2 / TP
+                digest.update(name.encode())
+                digest.update(full.detach().to("cpu", torch.float64).numpy().tobytes())
+        digests = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, digest.hexdigest())
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"knocks differ across ranks: {digests}")
+        if state.is_world_process_zero:
+            print(f"knocks identical on all {len(digests)} ranks (sha256 {digests[0][:12]})")
         return control

@@ -26,7 +26,6 @@ from ..data.corpus import TOKENIZER_DIR
 from ..modeling.configuration_kha import SUPPORTED_BASE_MODEL_TYPES
 from ..modeling.modeling_kha import KHAForCausalLM
 from .corpus_data import (
-    check_raw_data_fits,
     check_resumed_record,
     check_vocabulary_fits,
     corpus_splits,
@@ -200,9 +199,7 @@ def train(
         if not from_config:
             # a KHA checkpoint or a base checkpoint of a supported family; a reward model would get a random lm_head
             local_checkpoint = open_checkpoint(model_path, accept=_trainable, causal_lm=True)
-    corpus = prepared_corpus(data)  # a prepared corpus is opened and checked here, before anything else
-    if corpus is None:
-        check_raw_data_fits(data)  # raw text that would not fit in memory: refused, naming kha tokenize
+    corpus = prepared_corpus(data)  # checked before anything else; raw text that would not fit in memory: refused
     record = run_record(corpus, data, seed, seq_len)
     if resume:  # the same destination rule as a plain run, and only a folder kha wrote is continued or replaced
         output_dir, adopt, checkpoint = resume_point(output_dir, [model_path, tokenizer], data)
@@ -214,24 +211,23 @@ def train(
         check_no_interrupted_run(output_dir)  # its checkpoints are never deleted or left behind silently
         adopt, checkpoint, replace = None, None, overwrite
     documents = read_documents(data) if corpus is None else None  # bad data fails before anything is loaded
-    # the argument names it; from here on it is the object (train has no --trust-remote-code: never offered)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    # the tokenizer argument names it; from here on it is the object (train has no --trust-remote-code: never offered)
     if from_config:
         if tokenizer is None and corpus is None:
             raise KHAError(
                 f"{model_path} is a config without a tokenizer: pass --tokenizer, or --data a prepared corpus"
             )
         tokenizer = load_tokenizer(tokenizer or corpus.folder / TOKENIZER_DIR, None, offer_trust=False)
-    else:
-        tokenizer = load_tokenizer(model_path, tokenizer, offer_trust=False)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    if from_config:
         config = kha_config_from(model_path, knock, len(tokenizer))
         check_positions(config, seq_len)
         # counted on the meta device before the training arguments exist: under ZeRO-3 they make every model build
         # partitioned (deepspeed.zero.Init), the meta device's included
         check_model_fits(config, dtype)
-    elif local_checkpoint is not None:  # a Hub id is checked once loaded
-        check_positions(local_checkpoint.config, seq_len)
+    else:
+        tokenizer = load_tokenizer(model_path, tokenizer, offer_trust=False)
+        if local_checkpoint is not None:  # a Hub id is checked once loaded
+            check_positions(local_checkpoint.config, seq_len)
     if corpus is not None:
         train_set, heldout_set = corpus_splits(corpus, tokenizer, seq_len, max_eval_blocks)
     else:

@@ -3,7 +3,6 @@ knock / throughput metrics in every training log."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from transformers import Trainer, TrainerCallback
 from ..common.model_code import copy_model_code
 from ..data.corpus import TokenBlockFile
 from ..data.order import GlobalBlockOrder
-from .engine_checks import StartCheck
+from .engine_checks import RankChecks
 from .params import is_knock_parameter, knock_distance_from_init, optimizer_param_groups
 from .progress import use_readable_progress
 from .stability import StabilityLog, gradient_norm, stability_callback, stop_probing
@@ -45,8 +44,7 @@ class KHATrainer(Trainer):
             self.add_callback(stability_callback(self))
         self._fit_eval_batch_to_eval_set()
         use_readable_progress(self)  # a step bar and one line per log, not raw dicts
-        self.add_callback(KnockSyncCheck)
-        self.add_callback(StartCheck(self))  # knocks at their start and out of weight decay, on every rank
+        self.add_callback(RankChecks(self))  # knocks at their start, out of weight decay and alike at the end
         self.knock_lr = knock_lr
         self._last_log = (time.perf_counter(), 0)
         self._knocks_train = any(p.requires_grad and is_knock_parameter(n) for n, p in self.model.named_parameters())
@@ -135,29 +133,4 @@ class CheckpointCodeCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir() and (folder / "config.json").exists() and not (folder / "modeling_kha.py").exists():
             copy_model_code(folder)
-        return control
-
-
-class KnockSyncCheck(TrainerCallback):
-    """In multi-process runs, check at the end that every rank holds the same knocks (DDP and FSDP full-state runs
-    must keep replicas identical); print one line saying so, or stop with an error naming the ranks that differ."""
-
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        import torch
-        import torch.distributed as dist
-
-        if model is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-            return control
-        digest = hashlib.sha256()
-        for name, param in sorted(model.named_parameters()):
-            if is_knock_parameter(name):
-                full = param.full_tensor() if hasattr(param, "full_tensor") else param  # DTensor under FSDP2 / TP
-                digest.update(name.encode())
-                digest.update(full.detach().to("cpu", torch.float64).numpy().tobytes())
-        digests = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, digest.hexdigest())
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"knocks differ across ranks: {digests}")
-        if state.is_world_process_zero:
-            print(f"knocks identical on all {len(digests)} ranks (sha256 {digests[0][:12]})")
         return control
