@@ -238,9 +238,15 @@ class KHAPreTrainedModel(PreTrainedModel):
                     )
                 model_type = config_dict.get("base_model_type", KHAConfig.base_model_type)
                 cls = cls._class_for_family(model_type)
+        try:
+            base = pretrained_model_name_or_path is not None and not _is_kha_checkpoint(
+                pretrained_model_name_or_path, hub_kwargs
+            )
+        except (OSError, ValueError):  # no readable config here (a GGUF folder...): transformers says why below
+            base = False
         device_map = kwargs.get("device_map")
         disk = kwargs.get("offload_folder") or (isinstance(device_map, dict) and "disk" in device_map.values())
-        if disk and not _is_kha_checkpoint(pretrained_model_name_or_path, hub_kwargs):
+        if disk and base:
             # accelerate's disk offload reads every weight from the checkpoint's files, and a base checkpoint has
             # no knock tensors (transformers 5.24 / accelerate 1.x: KeyError at the first forward).
             raise ValueError(
@@ -249,12 +255,6 @@ class KHAPreTrainedModel(PreTrainedModel):
             )
         if cls.__module__ != "kha_hf.modeling.modeling_kha":  # loaded as remote code, without kha_hf
             register_auto_classes(cls.config_class)  # transformers registered the public class alone just before
-        try:
-            base = pretrained_model_name_or_path is not None and not _is_kha_checkpoint(
-                pretrained_model_name_or_path, hub_kwargs
-            )
-        except (OSError, ValueError):  # no readable config here (a GGUF folder...): transformers says why below
-            base = False
         token = _LOADING_BASE_CHECKPOINT.set(base)
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
