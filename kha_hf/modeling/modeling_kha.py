@@ -759,3 +759,20 @@ def register_auto_classes(config_class: type) -> None:
     for name, public in PUBLIC_HEADS.items():
         heads = [_HEADS_BUILT[key] for key in sorted(_HEADS_BUILT) if key[1] == name]
         getattr(transformers, TASK_HEADS[name][0]).register(config_class, (public, *heads), exist_ok=True)
+
+
+def __getattr__(name: str) -> type:
+    """A family's KHA class by name (`KHALlamaForCausalLM`), built on first use: unpickling a whole model
+    (`torch.save`) in a new process looks its class up here before anything in that process has built it."""
+    from transformers.models.auto import modeling_auto
+
+    heads = {mapping: public for public, (_, mapping) in TASK_HEADS.items()}
+    lms = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+    for mapping in (*lms, *heads) if name.startswith("KHA") else ():
+        for model_type, family in getattr(modeling_auto, mapping).items():
+            supported = model_type in SUPPORTED_BASE_MODEL_TYPES or multimodal_text_type(model_type) is not None
+            if family == name.removeprefix("KHA") and supported:
+                head_class(model_type, heads[mapping]) if mapping in heads else family_classes(model_type)
+                if name in globals():
+                    return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -61,7 +61,8 @@ def is_int(value) -> bool:
 
 
 def is_number(value) -> bool:
-    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    # an int is finite however large (math.isfinite raises OverflowError past a float's range: a 500 once)
+    return is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def boolean(value, name):

@@ -144,6 +144,8 @@ SAMPLING_BOUNDS = {
     "epsilon_cutoff": (lambda p: 0 <= p < 1, "0 or more, below 1"),
     "eta_cutoff": (lambda p: 0 <= p < 1, "0 or more, below 1"),
     "repetition_penalty": (lambda r: 0.01 <= r <= 100, "0.01 to 100"),
+    # contrastive search left transformers in 5.0 (a Hub custom_generate): every request failed with a 500
+    "penalty_alpha": (lambda a: a == 0, "0: transformers 5 has no contrastive search"),
 }
 WHOLE_BOUNDS = {
     "top_k": (lambda k: k >= 0, "a whole number, 0 or more"),
@@ -159,6 +161,8 @@ def check_generation_config(folder: Path, model_config: dict) -> None:
     config.json, which transformers builds the generation config from) that no request could be allowed
     (SAMPLING_BOUNDS, WHOLE_BOUNDS; suppressed tokens that leave none to sample): the bounds of a request's own
     fields (`fields.py`), checked when the server starts. MODEL_CONFIG: config.json as `open_checkpoint` read it."""
+    from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
+
     from ..common.text_files import read_json_object
 
     path = folder / "generation_config.json"
@@ -171,6 +175,9 @@ def check_generation_config(folder: Path, model_config: dict) -> None:
         ok, bounds = WHOLE_BOUNDS[name] if whole else SAMPLING_BOUNDS.get(name, (None, None))
         if ok is not None and value is not None and not ((is_int if whole else is_number)(value) and ok(value)):
             raise KHAError(f"{path}: {name} {value!r} is outside what kha serve can generate with ({bounds})")
+    cache = config.get("cache_implementation")  # an unknown one ended the start in a 48-line traceback (5.25)
+    if cache is not None and cache not in ALL_CACHE_IMPLEMENTATIONS:
+        raise KHAError(f"{path}: cache_implementation {cache!r} is not one of: {', '.join(ALL_CACHE_IMPLEMENTATIONS)}")
     vocab = model_config.get("vocab_size")
     for name in ("suppress_tokens", "begin_suppress_tokens"):
         tokens = config.get(name)

@@ -5,7 +5,7 @@ import torch
 
 from kha_hf import KHAForCausalLM
 from kha_hf.conversion import convert
-from tests.helpers import tiny_base_model
+from tests.helpers import run_python, tiny_base_model
 
 IDS = torch.tensor([[3, 9, 27, 81, 5, 15, 45]])
 
@@ -56,3 +56,32 @@ def test_saved_weights_get_normal_file_permissions(tmp_path):
     os.umask(umask)
     mode = (tmp_path / "kha" / "model.safetensors").stat().st_mode & 0o777
     assert mode == 0o666 & ~umask, oct(mode)  # safetensors alone writes 0600
+
+
+def test_a_whole_model_saved_with_torch_save_loads_in_a_new_process(tmp_path):
+    """Unpickling looks the family's class (`KHAQwen3ForCausalLM`, `KHALlamaForSequenceClassification`) up by name
+    before anything in the new process has built it: it was an AttributeError."""
+    from transformers import AutoModelForSequenceClassification
+
+    from kha_hf import KHAForSequenceClassification
+
+    lm = KHAForCausalLM.from_base(tiny_base_model("qwen3"), knock="mlp_v")
+    head = tiny_base_model("llama", auto=AutoModelForSequenceClassification, pad_token_id=0)
+    head = KHAForSequenceClassification.from_base(head)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.save({"lm": lm(ids).logits, "head": head(ids).logits}, tmp_path / "expected.pt")
+    torch.save(lm, tmp_path / "lm.pt")
+    torch.save(head, tmp_path / "head.pt")
+    script = (
+        "import torch\n"
+        "expected = torch.load('expected.pt')\n"
+        "for name in ('lm', 'head'):\n"
+        "    model = torch.load(name + '.pt', weights_only=False)\n"
+        "    with torch.no_grad():\n"
+        "        assert torch.equal(model(torch.tensor([[1, 2, 3, 4]])).logits, expected[name]), name\n"
+        "    print(type(model).__name__)\n"
+    )
+    out = run_python(script, tmp_path, without_kha_hf=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["KHAQwen3ForCausalLM", "KHALlamaForSequenceClassification"]

@@ -291,6 +291,9 @@ def test_non_finite_numbers_deep_nesting_and_lone_surrogates_get_400(hostile):
         b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": NaN}',
         b'{"prompt": "x", "temperature": Infinity}',
         b'{"prompt": "x", "temperature": 1e999}',
+        b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}",  # an int past a float: OverflowError, a 500 once
+        b'{"prompt": "x", "top_p": 1' + b"0" * 400 + b"}",
+        b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1' + b"0" * 400 + b"}}",
         b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",
         b"[" * 30000 + b"]" * 30000,  # RecursionError in json.loads
         b'{"prompt": "x", "user": ' + b"[" * 30000 + b"]" * 30000 + b"}",

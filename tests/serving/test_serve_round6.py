@@ -206,6 +206,9 @@ def test_a_worker_killed_while_idle_fails_no_request(server):
         ({"top_k": 2.5}, "top_k"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"repetition_penalty": "1.1"}, "repetition_penalty"),
+        ({"do_sample": True, "temperature": 10**400}, "temperature"),  # an OverflowError traceback once
+        ({"repetition_penalty": 10**400}, "repetition_penalty"),
+        ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha"),  # started, then every request was a 500
     ],
 )
 def test_sampling_settings_no_request_could_use_are_refused_at_start(tmp_path, capsys, settings, field):
@@ -224,6 +227,15 @@ def test_sampling_settings_in_config_json_are_checked_without_a_generation_confi
     path.write_text(json.dumps({**json.loads(path.read_text()), "do_sample": True, "temperature": 1e-45}))
     err = one_line_error(capsys, ["serve", str(tmp_path / "kha"), "--port", str(free_port())], "serve")
     assert "config.json: temperature 1e-45 is outside" in err, err
+
+
+def test_an_unknown_cache_implementation_is_refused_at_start(tmp_path, capsys):
+    """transformers 5.25 raised it from the engine's start, a 48-line traceback."""
+    tiny_kha(tmp_path / "kha", max_positions=256)
+    path = tmp_path / "kha" / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "cache_implementation": "bogus"}))
+    err = one_line_error(capsys, ["serve", str(tmp_path / "kha"), "--port", str(free_port())], "serve")
+    assert "generation_config.json: cache_implementation 'bogus' is not one of: static" in err, err
 
 
 def test_suppressing_every_token_is_refused(tmp_path, capsys):
