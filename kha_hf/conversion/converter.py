@@ -153,6 +153,11 @@ def convert(
         raise KHAError(str(err)) from err
     if dtype is not None:
         torch_dtype(dtype)  # a name torch has, checked before any download
+    if str(dst).lower().endswith(".gguf"):  # it would be a folder named like a file
+        raise KHAError(
+            f"{dst}: kha convert writes a checkpoint folder, not a GGUF file; for llama.cpp, fold a KHA-Linear "
+            "model into one (kha fold KHA_DIR OUT.gguf)"
+        )
     read = [knocks_from.folder] if knocks_from is not None and knocks_from.folder is not None else []
     dst = check_destination(dst, [local_src, *read] if local_src.exists() else read, overwrite)  # before downloading
     source = resolve_source(src, revision=revision, token=token)

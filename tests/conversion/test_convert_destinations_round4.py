@@ -359,3 +359,10 @@ def test_api_convert_error_names_the_marker(src, tmp_path):
     (dst / "config.json").write_text("{}")
     with pytest.raises(KHAError, match="no .kha-output marker"):
         convert(src, dst, overwrite=True, progress=False)
+
+
+def test_convert_to_a_gguf_name_is_refused_in_one_line(src, tmp_path, capsys):
+    """It wrote a folder named `out.gguf` without a word (round 7's attack)."""
+    rc, err = cli(capsys, ["convert", str(src), str(tmp_path / "out.gguf")])
+    assert rc == 2 and "kha convert writes a checkpoint folder, not a GGUF file" in err and "kha fold" in err
+    assert not (tmp_path / "out.gguf").exists()
