@@ -50,11 +50,7 @@ def check_gguf_header(path: Path) -> None:
         reader = GGUFReader(path)
     except Exception as err:  # a truncated or hostile file: GGUFReader raises ValueError, struct errors, ...
         raise KHAError(f"{path.name} is not a readable GGUF file: {err}") from err
-    field = reader.fields.get("general.architecture")
-    try:
-        arch = field.contents() if field is not None else None
-    except Exception:
-        arch = None
+    arch = _contents(reader, "general.architecture")
     if not isinstance(arch, str) or not re.fullmatch(r"[a-z0-9_]{1,64}", arch):
         raise KHAError(f"{path.name} names no model architecture (general.architecture)")
     where = path.name
