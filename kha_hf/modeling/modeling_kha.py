@@ -770,9 +770,13 @@ def __getattr__(name: str) -> type:
     lms = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
     for mapping in (*lms, *heads) if name.startswith("KHA") else ():
         for model_type, family in getattr(modeling_auto, mapping).items():
-            supported = model_type in SUPPORTED_BASE_MODEL_TYPES or multimodal_text_type(model_type) is not None
-            if family == name.removeprefix("KHA") and supported:
-                head_class(model_type, heads[mapping]) if mapping in heads else family_classes(model_type)
-                if name in globals():
-                    return globals()[name]
+            if family != name.removeprefix("KHA"):
+                continue
+            if model_type in SUPPORTED_BASE_MODEL_TYPES or multimodal_text_type(model_type) is not None:
+                if mapping in heads:
+                    head_class(model_type, heads[mapping])
+                else:
+                    family_classes(model_type)
+            if name in globals():
+                return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
