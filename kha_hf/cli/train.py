@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
         "  kha train ./smollm2-kha --output ./smollm2-kha-trained --mode knocks --max-steps 200\n"
         "  kha train ./qwen3-kha --output ./qwen3-kha-lora --mode lora --data ./my_corpus/ --bf16\n"
         "  kha train cpu-tiny --knock mlp_v --mode full --data ./prepared --output ./scratch   # from a preset\n"
-        "  accelerate launch --config_file fsdp.yaml -m kha_hf train ./qwen3-kha --output ./out --mode full",
+        "  accelerate launch --config_file examples/accelerate/fsdp2-full.yaml -m kha_hf train ./qwen3-kha \\\n"
+        "      --output ./out --mode full   # FSDP2, sharded at load by transformers, on CPUs or GPUs",
     )
     p.add_argument(
         "model",
@@ -99,6 +100,19 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", metavar="NAME_OR_PATH", help="tokenizer to use when MODEL has none")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the model init, data order and dropout")
     p.add_argument("--report-to", default="none", help="Trainer loggers: none, tensorboard, wandb, ...")
+    p.add_argument(
+        "--tp-size",
+        type=bounded_int(MAX_BATCH),
+        default=None,
+        help="tensor parallelism over this many of the launch's processes (transformers' DistributedConfig; the "
+        "rest shard with FSDP2)",
+    )
+    p.add_argument(
+        "--ep-size",
+        type=bounded_int(MAX_BATCH),
+        default=None,
+        help="expert parallelism (MoE models) over this many of the launch's processes",
+    )
     p.set_defaults(func=run)
 
 

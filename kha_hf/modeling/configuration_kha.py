@@ -242,6 +242,11 @@ KNOCK_TP_STYLE = {
 }
 
 
+# The parallel plans a family's config class carries besides `base_model_tp_plan` / `base_model_pp_plan`, in the
+# transformers releases that have them (5.25: `DistributedConfig(ep_size=...)` reads the expert plan).
+_PLANS_OF_NEWER_RELEASES = ("base_model_ep_plan", "base_model_fsdp_plan")
+
+
 def _knock_tp_plan(config, family_plan: dict[str, str]) -> dict[str, str]:
     """Tensor-parallel style of every knock matrix, following the style of the projection it follows."""
     parts = {"linear": [""], "mlp": [".up", ".gate", ".down"], "gate": [".gate"], "none": []}
@@ -377,6 +382,12 @@ class KHAConfig(PreTrainedConfig):
         knocks_plan = {} if self.is_multimodal else _knock_tp_plan(self, family_plan)
         self.base_model_tp_plan = {**family_plan, **knocks_plan}
         self.base_model_pp_plan = dict(family.base_model_pp_plan or {})
+        # Expert parallelism and FSDP2 (transformers >= 5.2x, `DistributedConfig`): the family's plans as they are.
+        # Knocks live inside each decoder layer (`layers.*`), so FSDP2 shards them with their layer; an MoE's experts
+        # keep the family's expert plan. Older releases have neither attribute.
+        for name in _PLANS_OF_NEWER_RELEASES:
+            if getattr(family, name, None):
+                object.__setattr__(self, name, dict(getattr(family, name)))
 
     def _validate_knocks(self) -> None:
         for target, allowed in KNOCK_TYPES.items():
@@ -416,6 +427,8 @@ class KHAConfig(PreTrainedConfig):
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
         output.pop("attribute_map", None)  # the family's aliases: rebuilt from base_model_type
+        for name in _PLANS_OF_NEWER_RELEASES:  # class-level plans in the family: never written to config.json
+            output.pop(name, None)
         # save_pretrained records the concrete per-family class (e.g. KHAQwen3ForCausalLM); advertise the public
         # entry points instead, which pick the family from `base_model_type`.
         output["auto_map"] = auto_map_for(self.base_model_type)

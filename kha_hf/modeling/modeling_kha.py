@@ -182,6 +182,14 @@ class KHAPreTrainedModel(PreTrainedModel):
     _family: str | None = None  # the base model_type of a family's subclass; None on the public classes
     _public_index = 0  # position of this class in `family_classes(...)`: 1 body, 2 causal LM
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # torch's FSDP2 (`fully_shard`, torch 2.13) swaps a sharded model's class for `FSDP<Class>`, made by `type()`
+        # inside torch's own module: `save_pretrained` copies the module of the model's class as its remote code, and
+        # would write torch's `_fsdp_*.py` files into the checkpoint in place of this file. The class stays ours.
+        if cls.__name__.startswith("FSDP") and cls.__module__.startswith("torch."):
+            cls.__module__ = __name__
+
     def __new__(cls, config: KHAConfig | None = None, *args: Any, **kwargs: Any):
         # `KHAForCausalLM(config)` builds the subclass of the config's base family. Without a config (copy.deepcopy
         # and pickle rebuild an object of its concrete class) there is nothing to dispatch.

@@ -98,7 +98,9 @@ class RankChecks(TrainerCallback):
 
         model, optimizer = self.trainer.model, self.trainer.optimizer
         if state.is_world_process_zero:  # on every start, a resumed one too
-            print(f"engine: {engine_name(self.trainer.accelerator)} on {args.world_size} process(es)")
+            plan = getattr(self.trainer, "plan", None)  # sharded at load time by transformers (training/parallel.py)
+            engine = plan.engine() if plan is not None else engine_name(self.trainer.accelerator)
+            print(f"engine: {engine} on {args.world_size} process(es)")
         if model is None or state.global_step != 0:  # a resumed run's knocks have trained: no start to check
             return control
         if not any(isinstance(m, KnockLinear) for m in model.modules()):  # a baseline arm: nothing to check

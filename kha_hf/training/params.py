@@ -140,7 +140,9 @@ def knock_distance_from_init(model: nn.Module) -> float:
     distances = []
     for module in model.modules():
         if isinstance(module, KnockLinear):
-            weight = module.weight.detach().float()
+            weight = module.weight.detach()
+            # FSDP2 / TP: a DTensor, gathered on every rank (Trainer logs on every rank)
+            weight = (weight.full_tensor() if hasattr(weight, "full_tensor") else weight).float()
             initial = torch.eye(weight.shape[0], device=weight.device) if module.start == "identity" else 0.0
             distances.append(torch.linalg.norm(weight - initial).item())
     return sum(distances) / len(distances) if distances else 0.0

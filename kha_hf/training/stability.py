@@ -69,6 +69,9 @@ class StabilityLog:
         self._logits[layer] = max(value, self._logits.get(layer, -math.inf))
 
     def end_step(self, step: int, lr: float | None) -> None:
+        """Close optimizer step STEP. Collective in a run of several processes (every rank calls it, as Trainer's
+        callbacks do): the row is the run's, not rank 0's."""
+        self._loss, self._logits = _across_ranks(self._loss, self._logits)
         row = {
             "step": step,
             "loss": self._loss,
@@ -84,6 +87,26 @@ class StabilityLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row, allow_nan=True) + "\n")
         self._loss, self._norms, self._logits, self.probing = 0.0, (None, None), {}, False
+
+
+def _across_ranks(loss: float, logits: dict[int, float]) -> tuple[float, dict[int, float]]:
+    """The run's step loss and largest logits from each rank's: the loss is the mean over ranks (what Trainer logs:
+    it gathers every rank's loss and averages), each layer's logit the maximum over ranks. Under DDP and FSDP2 each
+    rank trained on its own share of the global batch; the global norms are already the run's (whole gradients)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return loss, logits
+    layers = sorted(logits)
+    values = torch.tensor([loss, *(logits[i] for i in layers)], dtype=torch.float64)
+    # one all-reduce each; the device is the process group's (gloo: CPU, nccl: the rank's GPU)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    summed, largest = values[:1].to(device), values[1:].to(device)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    if layers:
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    loss = summed.item() / dist.get_world_size()
+    return loss, dict(zip(layers, largest.cpu().tolist(), strict=True))
 
 
 _ACTIVE: list[StabilityLog] = []  # the run whose step is being probed (at most one: a process trains one model)

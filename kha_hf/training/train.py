@@ -7,9 +7,9 @@ gradient clipping 1.0, 5 % warmup, cosine decay to 10 % of the peak learning rat
 from __future__ import annotations
 
 import math
-import os
 import pickle
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -45,7 +45,16 @@ from .guards import (
     unpickling_reason,
 )
 from .modes import DEFAULT_LR, prepare_for_mode
+from .parallel import (
+    build_sharded,
+    check_distributed_loading,
+    hand_over_from_accelerate,
+    load_sharded,
+    plan_from_launch,
+    world_size,
+)
 from .run_dir import run_output_dir
+from .run_state import check_resumed_layout
 from .spikes import SPIKE_MARGIN, check_spike_margin
 from .stability import STABILITY_FILE, iter_stability_lines, stability_metrics
 from .trainer import CheckpointCodeCallback, KHATrainer
@@ -67,14 +76,6 @@ def check_training_numbers(**numbers: int | None) -> None:
     for name, value in numbers.items():
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise KHAError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _world_size() -> int:
-    """Processes of an `accelerate launch` / torchrun run (each needs a full batch), read before any is set up."""
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def check_positions(config, seq_len: int) -> None:
@@ -164,11 +165,16 @@ def train(
     knock: str | None = None,
     logit_every: int | None = None,
     spike_margin: float = SPIKE_MARGIN,
+    tp_size: int | None = None,
+    ep_size: int | None = None,
 ) -> TrainResult:
     """Train MODEL_PATH (a KHA checkpoint, or a config or preset: new weights) and save it to OUTPUT_DIR.
 
     DATA: text files, folders or a Hub dataset (tokenized in memory), or one corpus prepared by `kha tokenize` (read
     lazily: memory stays flat however large it is). KNOCK: the knocks of a base family's config. Returns the losses.
+
+    Under `accelerate launch` with an FSDP2 config, or with TP_SIZE / EP_SIZE, transformers shards the model at load
+    time (training/parallel.py) on CPUs and GPUs alike, and kha saves what an exact resume needs (run_state.py).
 
     OUTPUT_DIR follows the rules of `kha convert`: never the model, a folder holding it, the working directory, home,
     a root or a folder inside the data; an existing one only with `overwrite` (or `resume`). The run works in a
@@ -186,6 +192,11 @@ def train(
         if value is not None and not value >= 0:
             raise KHAError(f"{name} must be >= 0, got {value}")
     report_to = check_report_to(report_to)  # a list: TrainingArguments does not split 'tensorboard,wandb'
+    plan = plan_from_launch(tp_size, ep_size)  # FSDP2 / TP / EP: checked once, before anything is read
+    if plan is not None:
+        check_distributed_loading()
+        if mode == "lora":
+            raise KHAError(f"--mode lora is not offered under {plan.engine().split(',')[0]}: use --mode knocks or full")
     from_config = is_config_ref(model_path)
     if from_config and mode != "full":
         raise KHAError(f"{model_path} is a config: its weights are new and train with --mode full, not --mode {mode}")
@@ -203,6 +214,7 @@ def train(
     record = run_record(corpus, data, seed, seq_len)
     if resume:  # the same destination rule as a plain run, and only a folder kha wrote is continued or replaced
         output_dir, adopt, checkpoint = resume_point(output_dir, [model_path, tokenizer], data)
+        checkpoint = check_resumed_layout(adopt or output_dir, checkpoint, plan)
         check_resumed_record(adopt or output_dir, record)  # the same corpus, seed and block length
         check_checkpoint_step(checkpoint, max_steps)
         replace = output_dir.exists()
@@ -232,13 +244,15 @@ def train(
         train_set, heldout_set = corpus_splits(corpus, tokenizer, seq_len, max_eval_blocks)
     else:
         train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_heldout_blocks=max_eval_blocks)
-    check_batches(len(train_set), batch_size, _world_size())  # 0 steps is an error, before the model is loaded
+    # 0 steps is an error, before the model is loaded
+    check_batches(len(train_set), batch_size, plan.data_parallel_size if plan else world_size())
     known_config = config if from_config else getattr(local_checkpoint, "model_config", None)
     if corpus is None and known_config is not None:
         check_token_ids(train_set, heldout_set, known_config)  # before the model loads: one line, nothing printed
     # before the model: under DeepSpeed ZeRO-3 (accelerate launch) the arguments switch transformers to build it
     # partitioned across ranks (deepspeed.zero.Init), as from_pretrained and from_config then do
     check_deepspeed_config()  # what accelerate hands this process: blocks that write elsewhere or end the run
+    hand_over_from_accelerate(plan)  # transformers shards the model: accelerate's FSDP plugin must not wrap it again
     args = paper_training_arguments(
         output_dir,  # replaced by the run's working folder below
         max_steps=max_steps,
@@ -254,14 +268,20 @@ def train(
         data_seed=seed,
         report_to=report_to,
         disable_tqdm=disable_tqdm,
+        # Trainer checkpoints no optimizer of a model sharded at load time: kha's run state does (run_state.py)
+        save_only_model=plan is not None,
     )
-    if from_config:
+    if plan is not None and checkpoint is not None:  # the weights come sharded from the checkpoint itself
+        model = _load(checkpoint, dtype, plan)
+    elif from_config and plan is not None:  # built once, then loaded as a checkpoint is: each rank its shard
+        args.world_size  # noqa: B018 (reading it sets up the process group the build shares its folder over)
+        build = partial(model_from_config, config, seed, dtype)
+        model = build_sharded(build, KHAForCausalLM, plan, output_dir.parent, dtype=dtype)
+    elif from_config:
         model = model_from_config(config, seed, dtype)
     else:
-        try:
-            model = KHAForCausalLM.from_pretrained(model_path, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise KHAError(f"cannot load a KHA model from {model_path}: {err}") from err
+        model = _load(model_path, dtype, plan)
+    if not from_config:
         check_positions(model.config, seq_len)
     if corpus is not None:
         check_vocabulary_fits(corpus, model.config.get_text_config().vocab_size, train_set, heldout_set)
@@ -284,6 +304,7 @@ def train(
             callbacks=[CheckpointCodeCallback(), StopOnNonFiniteLoss()],
             knock_lr=knock_lr,
             stability_every=logit_every or max(1, max_steps // 50),
+            plan=plan,
         )
         if trainer.is_world_process_zero():
             write_run_record(work, record)  # what --resume checks: the same corpus, seed and block length
@@ -310,8 +331,10 @@ def train(
                 model.save_pretrained(work / "adapter")
                 adapter_dir = output_dir / "adapter"
                 model = model.merge_and_unload()  # a full KHA model with the trained knocks and merged LoRA deltas
-            model.save_pretrained(work)
-            tokenizer.save_pretrained(work)
+            main = plan is None or trainer.is_world_process_zero()  # a sharded model: every rank joins the gather
+            model.save_pretrained(work, is_main_process=main)
+            if main:
+                tokenizer.save_pretrained(work)
         except (OSError, SafetensorError) as err:  # a full disk ends here; safetensors' error is no OSError
             raise KHAError(f"cannot save the trained model to {output_dir}: {err}") from err
         if Path(model_path).is_dir() and not from_config:
@@ -325,6 +348,16 @@ def train(
     return TrainResult(
         output_dir, output.training_loss, heldout, output.global_step, trainer.state.log_history, adapter_dir, before
     )
+
+
+def _load(source, dtype, plan):
+    """The KHA model of SOURCE (a checkpoint), laid out by PLAN when there is one."""
+    try:
+        if plan is not None:
+            return load_sharded(KHAForCausalLM, source, plan, dtype=dtype)
+        return KHAForCausalLM.from_pretrained(source, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise KHAError(f"cannot load a KHA model from {source}: {' '.join(str(err).split())[:400]}") from err
 
 
 def check_checkpoint_step(checkpoint: str | None, max_steps: int) -> None:

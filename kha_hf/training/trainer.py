@@ -12,8 +12,10 @@ from ..common.model_code import copy_model_code
 from ..data.corpus import TokenBlockFile
 from ..data.order import GlobalBlockOrder
 from .engine_checks import RankChecks
+from .parallel import is_sharded
 from .params import is_knock_parameter, knock_distance_from_init, optimizer_param_groups
 from .progress import use_readable_progress
+from .run_state import load_run_state, save_run_state
 from .stability import StabilityLog, gradient_norm, stability_callback, stop_probing
 
 
@@ -36,8 +38,12 @@ class KHATrainer(Trainer):
         `KHATrainer(model, TrainingArguments("out", weight_decay=0.1), train_dataset=data, knock_lr=1e-3).train()`
     """
 
-    def __init__(self, *args, knock_lr: float | None = None, stability_every: int | None = None, **kwargs) -> None:
+    def __init__(
+        self, *args, knock_lr: float | None = None, stability_every: int | None = None, plan=None, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
+        # a model sharded at load time (training/parallel.py): kha saves and restores what Trainer does not
+        self.plan = plan if is_sharded(self.model) else None
         # per-step loss, gradient norms and learning rate, the attention logits every K steps (training/stability.py)
         self.stability = None if stability_every is None else StabilityLog(stability_every)
         if self.stability is not None:
@@ -94,6 +100,37 @@ class KHATrainer(Trainer):
         norm = super()._clip_grad_norm(model)
         self.stability.set_norms(None if norm is None else float(norm), knocks)
         return norm
+
+    # -- a model sharded at load time (training/parallel.py): its checkpoints and their resume --------------------
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        if self.plan is None or not self.plan.sharded_checkpoints:
+            return super()._save(output_dir, state_dict)
+        # SHARDED_STATE_DICT: each rank writes its shard (torch DCP, safetensors); from_pretrained with the same
+        # layout reads them back (a resume), and the final save is whole (train.py)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self.model.save_pretrained(output_dir, distributed_checkpoint=True, is_main_process=self.args.should_save)
+        if self.args.should_save and self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.plan is None:
+            return
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        self._save_rng_state(str(folder))  # Trainer's own per-rank files, which save_only_model leaves out
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds torch's
+        save_run_state(self.model, optimizer, self.lr_scheduler, folder, self.plan.layout(), self.args.should_save)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if self.plan is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # kha train loaded the checkpoint's weights into the sharded model already (parallel.load_sharded)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if self.plan is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        load_run_state(self.model, optimizer, self.lr_scheduler, Path(checkpoint), self.plan.layout())
 
     def get_decay_parameter_names(self, model) -> list[str]:
         # Decay pulls toward 0, but a knock's neutral value is the identity: never decay knocks.

@@ -1,5 +1,5 @@
 """`kha train` on the engines users scale on, each with its shipped accelerate config on 2 processes (gloo on CPUs):
-DDP, FSDP2 (full and sharded state dicts: on a GPU machine only, see engines.NEEDS_GPU), DeepSpeed ZeRO-2 and ZeRO-3;
+DDP, FSDP2 (full and sharded state dicts; transformers shards the model at load time), DeepSpeed ZeRO-2 and ZeRO-3;
 each run must say it ran the engine its config names. From a config (new weights) and from a
 converted checkpoint; the knocks start at the identity and are never decayed on any rank; the final save loads
 with from_pretrained and gives the trained model's held-out loss.
@@ -14,7 +14,8 @@ import json
 
 import pytest
 
-from tests.training.engines import CONFIGS, ENGINES, EXPECTED, NEEDS_GPU, RUN, heldout_loss, kha_train, logged_losses
+from kha_hf.common.model_code import model_code_files
+from tests.training.engines import CONFIGS, ENGINES, EXPECTED, RUN, heldout_loss, kha_train, logged_losses
 
 TOLERANCE = 1e-4  # per logged loss: the same batches, reduced in another order
 
@@ -76,6 +77,8 @@ def test_from_a_config(engine, prepared, one_process, tmp_path):
     reported = json.loads((out / "eval_results.json").read_text())["eval_loss"]
     assert abs(heldout_loss(out, prepared) - reported) < 1e-5
     assert json.loads((out / "kha_data.json").read_text())["seed"] == 0
+    # no foreign file: the code next to the weights is KHA's, as a plain save_pretrained writes it, under any engine
+    assert {p.name for p in out.glob("*.py")} == {p.name for p in model_code_files()}
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -111,11 +114,10 @@ def converted(corpus, tmp_path_factory):
     return root / "kha"
 
 
-@NEEDS_GPU
-def test_fsdp2_meta_device_build(converted, prepared, tmp_path):
-    """With fsdp_cpu_ram_efficient_loading (what large models need), transformers loads the checkpoint on rank 0 and
-    builds it on the meta device elsewhere, and accelerate sends rank 0's weights out: the knocks start at the
-    identity on every rank and the run computes what a run with every rank loading computes."""
+def test_fsdp2_ram_efficient_loading_flag(converted, prepared, tmp_path):
+    """fsdp_cpu_ram_efficient_loading true or false: kha train loads the same way either way (every rank builds the
+    model on the meta device and reads its own shard: tests/training/test_parallel_layouts.py measures it), so the
+    two runs compute the same losses and both start at the identity."""
     config = (CONFIGS / "fsdp2-full.yaml").read_text()
     meta = tmp_path / "fsdp2-meta.yaml"
     meta.write_text(config.replace("fsdp_cpu_ram_efficient_loading: false", "fsdp_cpu_ram_efficient_loading: true"))
@@ -128,7 +130,7 @@ def test_fsdp2_meta_device_build(converted, prepared, tmp_path):
             config_file,
             tmp_path,
         )  # fmt: skip
-        assert "engine: FSDP2 (FULL_STATE_DICT) on 2 process(es)" in proc.stdout
+        assert f"engine: {EXPECTED['fsdp2-full']} on 2 process(es)" in proc.stdout
         assert "knocks at the start: identity on all 2 ranks; weight decay on knocks: [0.0]" in proc.stdout
         losses[name] = logged_losses(out)
     assert max(abs(losses["meta"][s] - losses["full"][s]) for s in losses["full"]) < 1e-6, losses

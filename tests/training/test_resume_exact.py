@@ -1,7 +1,7 @@
 """`kill -9` a `kha train` run on a prepared corpus, then `--resume` it: it continues from its last checkpoint at the
 exact data position (no block repeated, none skipped), and every logged loss equals an uninterrupted run's within
-1e-5 (CPU, float32), on 1 process, on 2 (DDP) and on the sharding engines (ZeRO-2, ZeRO-3; FSDP2 with a sharded
-state dict on a GPU machine only).
+1e-5 (CPU, float32), on 1 process, on 2 (DDP) and on the sharding engines (ZeRO-2, ZeRO-3; FSDP2 with full and
+sharded checkpoints, whose optimizer, scheduler and random states kha saves itself: training/run_state.py).
 `--resume` with another seed or another corpus than the run it resumes is refused in one line."""
 
 import os
@@ -57,7 +57,7 @@ def kill_after_first_checkpoint(command: list, tmp_path, out) -> None:
     assert not out.exists(), "the run finished before it was killed"
 
 
-@pytest.mark.parametrize("engine", [None, *engines("ddp", "fsdp2-sharded", "zero2", "zero3")])
+@pytest.mark.parametrize("engine", [None, *engines("ddp", "fsdp2-full", "fsdp2-sharded", "zero2", "zero3")])
 def test_a_killed_run_resumes_exactly(engine, prepared, tmp_path):
     processes = 1 if engine is None else 2
     full = tmp_path / "full"
