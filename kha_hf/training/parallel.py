@@ -123,6 +123,10 @@ def plan_from_launch(tp_size: int | None = None, ep_size: int | None = None) -> 
             raise KHAError(f"{name} {size} does not divide the {world} process(es) of this launch")
     if not fsdp and tp == 1 and ep == 1:
         return None
+    if tp > 1 and not torch.cuda.is_available():
+        # Trainer hands a TP model's layout to accelerate as a ParallelismConfig, which accelerate 1.16 accepts only
+        # for GPU-type runs (MULTI_CPU is refused): tensor-parallel logits run on CPU ranks, training does not
+        raise KHAError("--tp-size trains on GPUs only: accelerate 1.16 refuses tensor parallelism in CPU runs")
     if _env_flag("ACCELERATE_USE_DEEPSPEED"):
         raise KHAError("--tp-size / --ep-size shard the model with transformers, not with DeepSpeed: launch without it")
     if world < 2:
@@ -166,7 +170,12 @@ def hand_over_from_accelerate(plan: ParallelPlan | None) -> None:
 def load_sharded(model_class, model_path, plan: ParallelPlan, **kwargs):
     """MODEL_CLASS.from_pretrained(MODEL_PATH) laid out by PLAN: built on the meta device, each rank materialising
     and reading its own shard only."""
-    return model_class.from_pretrained(model_path, distributed_config=plan.distributed_config(), **kwargs)
+    model = model_class.from_pretrained(model_path, distributed_config=plan.distributed_config(), **kwargs)
+    # transformers 5.25 reads a sharded checkpoint (distributed_checkpoint=True) into a tied output head as a
+    # parameter of its own (with the same values): tie it to the input embedding again, or it would train apart
+    if getattr(model, "all_tied_weights_keys", None):
+        model.tie_weights()
+    return model
 
 
 def build_sharded(build, model_class, plan: ParallelPlan, near: Path, **kwargs):

@@ -76,6 +76,32 @@ def save_run_state(model, optimizer, scheduler, folder: Path, layout: dict, is_m
     dist.barrier()
 
 
+def save_sharded_model(model, folder: Path, is_main: bool) -> None:
+    """A SHARDED_STATE_DICT checkpoint's weights: each rank writes its shard (torch DCP, safetensors), as transformers
+    5.25's `save_pretrained(distributed_checkpoint=True)` does, and `from_pretrained(folder, distributed_config=...)`
+    reads them back. Collective. Workaround for 5.25: it hands DCP both names of a tied weight as one tensor, which
+    safetensors refuses ("Some tensors share memory") once the model was itself loaded from such a checkpoint (a
+    resumed run); here the tied name gets a copy of its shard (vocab x hidden / N more bytes a rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from transformers.distributed.checkpoint import _redistribute_state_dict
+
+    state = _redistribute_state_dict(get_model_state_dict(model))
+    for name in getattr(model, "all_tied_weights_keys", None) or {}:
+        if name in state:
+            state[name] = state[name].clone()
+    writer = HuggingFaceStorageWriter(path=str(folder), save_distributed=True, enable_consolidation=False)
+    dcp.save(state, storage_writer=writer)
+    if is_main:
+        model.config.save_pretrained(folder)
+        if model.can_generate() and getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(folder)
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
 def read_run_state(folder: Path, layout: dict) -> dict:
     """FOLDER's run state, checked: one-line KHAError for a checkpoint without it (not written by a sharded run, or
     cut by a kill) or saved under another layout (its shards and per-rank random states would not fit)."""

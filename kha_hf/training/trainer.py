@@ -15,7 +15,7 @@ from .engine_checks import RankChecks
 from .parallel import is_sharded
 from .params import is_knock_parameter, knock_distance_from_init, optimizer_param_groups
 from .progress import use_readable_progress
-from .run_state import load_run_state, save_run_state
+from .run_state import load_run_state, save_run_state, save_sharded_model
 from .stability import StabilityLog, gradient_norm, stability_callback, stop_probing
 
 
@@ -108,7 +108,8 @@ class KHATrainer(Trainer):
         # SHARDED_STATE_DICT: each rank writes its shard (torch DCP, safetensors); from_pretrained with the same
         # layout reads them back (a resume), and the final save is whole (train.py)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self.model.save_pretrained(output_dir, distributed_checkpoint=True, is_main_process=self.args.should_save)
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        save_sharded_model(self.model, Path(output_dir), self.args.should_save)
         if self.args.should_save and self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
 

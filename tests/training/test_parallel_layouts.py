@@ -132,6 +132,7 @@ def test_model_config_carries_the_family_plans(checkpoints):
     [
         ({}, {"ep_size": 3}, "--ep-size 3 does not divide the 2 process(es)"),
         ({}, {"tp_size": 4}, "--tp-size 4 does not divide the 2 process(es)"),
+        ({}, {"tp_size": 2}, "--tp-size trains on GPUs only"),
         ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, {}, "fsdp_version 1 is not offered"),
         ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}, {}, "fsdp_offload"),
         ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"}, {}, "reshard"),
@@ -139,8 +140,8 @@ def test_model_config_carries_the_family_plans(checkpoints):
     ],
 )
 def test_layouts_the_launch_cannot_run_are_refused(env, flags, message, monkeypatch):
-    if "OFFLOAD" in str(env) and torch.cuda.is_available():
-        pytest.skip("offloading to the CPU is refused only where the run is on the CPU")
+    if ("OFFLOAD" in str(env) or flags == {"tp_size": 2}) and torch.cuda.is_available():
+        pytest.skip("refused only where the run is on the CPU")
     monkeypatch.setenv("WORLD_SIZE", "2")
     for key in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_OFFLOAD_PARAMS", "FSDP_RESHARD_AFTER_FORWARD"):
         monkeypatch.delenv(key, raising=False)
@@ -158,3 +159,20 @@ def test_no_layout_is_no_plan(monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "2")
     plan = plan_from_launch()
     assert (plan.fsdp_size, plan.tp_size, plan.data_parallel_size) == (2, 1, 2)
+
+
+def test_expert_parallel_training_matches_ddp(prepared, tmp_path):
+    """`kha train --ep-size 2` on the MoE preset (each rank holds half of every layer's experts, the dense layers
+    FSDP2-sharded) trains what DDP trains on the same 2 ranks: the same losses at every step (the router's auxiliary
+    loss is per rank's batch in both, so neither equals 1 process's), and its final save loads whole."""
+    from tests.training.engines import RUN, heldout_loss, kha_train, logged_losses
+
+    common = ["cpu-tiny-moe", "--data", prepared, "--mode", "full", "--max-steps", "3", "--batch-size", "2", *RUN]
+    ep = kha_train([*common, "--ep-size", "2", "--output", tmp_path / "ep"], "ddp", tmp_path)
+    assert "engine: FSDP2 (FULL_STATE_DICT) + EP 2, sharded at load by transformers' DistributedConfig" in ep.stdout
+    assert "knocks at the start: identity on all 2 ranks; weight decay on knocks: [0.0]" in ep.stdout
+    kha_train([*common, "--output", tmp_path / "ddp"], "ddp", tmp_path)
+    expected, got = logged_losses(tmp_path / "ddp"), logged_losses(tmp_path / "ep")
+    assert max(abs(expected[s] - got[s]) for s in expected) < 1e-5, (expected, got)
+    reported = json.loads((tmp_path / "ep" / "eval_results.json").read_text())["eval_loss"]
+    assert abs(heldout_loss(tmp_path / "ep", prepared) - reported) < 1e-5

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from kha_hf.data.prepare import tokenize_corpus
+from kha_hf.training.run_state import RUN_STATE_FILE
 from tests.training.engines import EXPECTED, RUN, engines, kha_env, kha_train, launcher, logged_losses
 
 TOLERANCE = 1e-5
@@ -39,14 +40,16 @@ def args(prepared, out, processes: int) -> list:
     ]
 
 
-def kill_after_first_checkpoint(command: list, tmp_path, out) -> None:
+def kill_after_first_checkpoint(command: list, tmp_path, out, mark: str = "trainer_state.json") -> None:
+    """Start COMMAND and kill -9 every process of it once the first checkpoint holds MARK, the last file its save
+    writes (Trainer's trainer_state.json; a sharded run's kha_run_state.json, after it)."""
     proc = subprocess.Popen(
         command, env=kha_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     deadline = time.time() + 600
     try:
         while time.time() < deadline and proc.poll() is None:
-            if any(p.is_file() for p in out.parent.glob(f".kha-*.partial/checkpoint-{SAVE}/trainer_state.json")):
+            if any(p.is_file() for p in out.parent.glob(f".kha-*.partial/checkpoint-{SAVE}/{mark}")):
                 break
             time.sleep(0.02)
     finally:  # every process of the run, as a crashed node loses them (torchrun gives its ranks sessions of their own)
@@ -64,10 +67,15 @@ def test_a_killed_run_resumes_exactly(engine, prepared, tmp_path):
     kha_train(args(prepared, full, processes), engine, tmp_path)
     killed = tmp_path / "killed"
     kill_after_first_checkpoint(
-        [*launcher(engine), "-m", "kha_hf", "train", *map(str, args(prepared, killed, processes))], tmp_path, killed
+        [*launcher(engine), "-m", "kha_hf", "train", *map(str, args(prepared, killed, processes))],
+        tmp_path,
+        killed,
+        RUN_STATE_FILE if str(engine).startswith("fsdp") else "trainer_state.json",
     )
     proc = kha_train([*args(prepared, killed, processes), "--resume"], engine, tmp_path)
     assert "resuming the interrupted run" in proc.stdout
+    # it continued from the checkpoint: a run that started over would log the same losses
+    assert f"step {SAVE + 1}/{STEPS} " in proc.stdout and f"step 1/{STEPS} " not in proc.stdout, proc.stdout[-2000:]
     if engine is not None:
         assert f"engine: {EXPECTED[engine]} on 2 process(es)" in proc.stdout
     expected, resumed = logged_losses(full), logged_losses(killed)
