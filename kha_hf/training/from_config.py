@@ -83,23 +83,34 @@ def _read_json_config(path: Path) -> dict:
 def check_model_fits(config: KHAConfig, dtype) -> None:
     """Count CONFIG's parameters on the meta device (nothing allocated) and refuse a model whose weights alone
     would not fit in the memory free now (training needs about four times that: gradients, AdamW's two states)."""
-    import torch
 
-    from ..modeling.modeling_kha import KHAForCausalLM
     from .corpus_data import available_memory
 
-    try:
-        with torch.device("meta"):
-            model = KHAForCausalLM._from_config(config, dtype=dtype)
-    except (ValueError, TypeError, RuntimeError) as err:
-        raise KHAError(f"cannot build a model of this config: {' '.join(str(err).split())[:300]}") from err
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(config, dtype)
     free = available_memory()
     if free is not None and weights > free:
         raise KHAError(
             f"the config's model holds {weights / 2**30:.1f} GiB of weights, more than the {free / 2**30:.1f} GiB free "
             "(training needs about four times its weights)"
         )
+
+
+def weight_bytes(model_or_config, dtype=None) -> int:
+    """The bytes of a model's weights: of MODEL_OR_CONFIG itself, or of the model a config builds (counted on the
+    meta device: nothing allocated)."""
+    import torch
+    from torch import nn
+
+    from ..modeling.modeling_kha import KHAForCausalLM
+
+    model = model_or_config
+    if not isinstance(model_or_config, nn.Module):
+        try:
+            with torch.device("meta"):
+                model = KHAForCausalLM._from_config(model_or_config, dtype=dtype)
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise KHAError(f"cannot build a model of this config: {' '.join(str(err).split())[:300]}") from err
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def model_from_config(config: KHAConfig, seed: int, dtype):

@@ -27,7 +27,14 @@ STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 
 
 def _env_flag(name: str, default: str = "false") -> bool:
-    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes")
+    """A flag accelerate launch set, read as accelerate reads it (y/yes/t/true/on/1, n/no/f/false/off/0)."""
+    from accelerate.utils import str_to_bool
+
+    value = os.environ.get(name, default).strip()
+    try:
+        return bool(str_to_bool(value))
+    except ValueError:
+        raise KHAError(f"{name}={value!r} is not a true/false value") from None
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,7 @@ def plan_from_launch(tp_size: int | None = None, ep_size: int | None = None) -> 
     size does not divide, or an FSDP option kha cannot honour."""
     world = world_size()
     fsdp = _env_flag("ACCELERATE_USE_FSDP")
-    tp, ep = tp_size or 1, ep_size or 1
+    tp, ep = 1 if tp_size is None else tp_size, 1 if ep_size is None else ep_size
     for name, size in (("--tp-size", tp), ("--ep-size", ep)):
         if size < 1:
             raise KHAError(f"{name} must be a positive integer, got {size}")
@@ -128,7 +135,8 @@ def plan_from_launch(tp_size: int | None = None, ep_size: int | None = None) -> 
         # for GPU-type runs (MULTI_CPU is refused): tensor-parallel logits run on CPU ranks, training does not
         raise KHAError("--tp-size trains on GPUs only: accelerate 1.16 refuses tensor parallelism in CPU runs")
     if _env_flag("ACCELERATE_USE_DEEPSPEED"):
-        raise KHAError("--tp-size / --ep-size shard the model with transformers, not with DeepSpeed: launch without it")
+        asked = "an FSDP config" if fsdp else "--tp-size / --ep-size"
+        raise KHAError(f"{asked} and DeepSpeed both shard the model: launch with one of them")
     if world < 2:
         raise KHAError("a parallel layout needs several processes: start the run with accelerate launch")
     state_dict_type = "FULL_STATE_DICT"
@@ -154,10 +162,26 @@ def _check_fsdp_options() -> str:
         )
     if _env_flag("FSDP_ACTIVATION_CHECKPOINTING"):
         raise KHAError("fsdp_activation_checkpointing: use kha train --gradient-checkpointing instead")
-    state_dict_type = os.environ.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT").strip().upper()
+    # accelerate's default for FSDP2 when the config names none
+    state_dict_type = os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT").strip().upper()
     if state_dict_type not in STATE_DICT_TYPES:
         raise KHAError(f"fsdp_state_dict_type {state_dict_type}: kha train writes one of {', '.join(STATE_DICT_TYPES)}")
     return state_dict_type
+
+
+def check_plan_fits(plan: ParallelPlan | None, config) -> None:
+    """One-line KHAError, before the model loads, for expert parallelism on a model whose experts it cannot split:
+    a dense model, or a number of experts EP_SIZE does not divide. CONFIG: a config object or a checkpoint's dict."""
+    if plan is None or plan.ep_size == 1:
+        return
+    if not isinstance(config, dict):
+        config = config.get_text_config().to_dict()
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    experts = next((text[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if text.get(k)), None)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2:
+        raise KHAError(f"--ep-size {plan.ep_size} splits the experts of a mixture-of-experts model: this one has none")
+    if experts % plan.ep_size:
+        raise KHAError(f"--ep-size {plan.ep_size} does not divide the model's {experts} experts")
 
 
 def hand_over_from_accelerate(plan: ParallelPlan | None) -> None:
@@ -178,27 +202,36 @@ def load_sharded(model_class, model_path, plan: ParallelPlan, **kwargs):
     return model
 
 
-def build_sharded(build, model_class, plan: ParallelPlan, near: Path, **kwargs):
+def build_sharded(build, model_class, plan: ParallelPlan, work: Path, **kwargs):
     """New weights laid out by PLAN: the main process builds the model (BUILD(), seeded: what 1 process builds) and
-    saves it to a temporary folder in NEAR, and every rank loads its shard from there as from any checkpoint
-    (`load_sharded`), so a run from a config shards through the same calls as a run from a checkpoint. Collective;
-    the process group is the one TrainingArguments set up."""
+    saves it to a `.kha-init-*` folder inside WORK (the run's own working folder, shared by its ranks), and every
+    rank loads its shard from there as from any checkpoint (`load_sharded`), so a run from a config shards through
+    the same calls as a run from a checkpoint. Collective; the process group is the one TrainingArguments set up.
+    The folder is removed once every rank has loaded, and any left in WORK by a killed build before it."""
     import shutil
     import tempfile
 
     import torch.distributed as dist
 
     main = dist.get_rank() == 0
-    box = [None]
+    box: list = [None]
     if main:
-        folder = Path(tempfile.mkdtemp(prefix=".kha-init-", dir=near))
+        for stale in work.glob(".kha-init-*"):  # a build killed in this working folder before (kha's own)
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+        folder = Path(tempfile.mkdtemp(prefix=".kha-init-", dir=work))
         try:
             build().save_pretrained(folder)
-        except BaseException:
+            box = [str(folder)]
+        except BaseException as err:
             shutil.rmtree(folder, ignore_errors=True)
+            dist.broadcast_object_list([""], src=0)  # the other ranks stop too, instead of waiting
+            if isinstance(err, OSError):
+                raise KHAError(f"cannot build the model in {work}: {err}") from err
             raise
-        box = [str(folder)]
     dist.broadcast_object_list(box, src=0)
+    if not box[0]:
+        raise KHAError("the main process could not build the model (its error is above)")
     try:
         return load_sharded(model_class, box[0], plan, **kwargs)
     finally:

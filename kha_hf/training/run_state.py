@@ -29,6 +29,7 @@ from ..common.errors import KHAError
 RUN_STATE_FILE = "kha_run_state.json"
 OPTIMIZER_DIR = "optimizer"
 FORMAT = 1
+MAX_RECORD = 64 << 20  # the optimizer's settings are kept per parameter: a few hundred bytes each
 
 
 def _options():
@@ -66,14 +67,33 @@ def save_run_state(model, optimizer, scheduler, folder: Path, layout: dict, is_m
         record = {
             "format": FORMAT,
             "layout": layout,
+            "files": weight_files(folder),  # every safetensors file of the checkpoint and its size, checked on resume
             "optimizer": {k: _json_value(v) for k, v in others.items()},
             "scheduler": {k: [_json_value(x) for x in v] if isinstance(v, list) else _json_value(v)
                           for k, v in scheduler.state_dict().items()},
         }  # fmt: skip
-        tmp = folder / (RUN_STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-        os.replace(tmp, folder / RUN_STATE_FILE)
+        _write_no_follow(folder / (RUN_STATE_FILE + ".tmp"), json.dumps(record, indent=1, sort_keys=True))
+        os.replace(folder / (RUN_STATE_FILE + ".tmp"), folder / RUN_STATE_FILE)
     dist.barrier()
+
+
+def _write_no_follow(path: Path, text: str) -> None:
+    """Write PATH anew: a link (or anything) already there is removed, never followed out of the run's folder."""
+    if path.is_symlink() or path.exists():
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def weight_files(folder: Path) -> dict[str, int]:
+    """FOLDER's safetensors files and its optimizer's (relative name -> bytes): torch's safetensors reader builds a
+    checkpoint from whichever files are there, so a missing shard would leave part of a tensor unread and an extra
+    one would be merged in; the run state records them and a resume checks them."""
+    found = {}
+    for path in [*folder.glob("*.safetensors"), *(folder / OPTIMIZER_DIR).glob("*.safetensors")]:
+        found[str(path.relative_to(folder))] = path.lstat().st_size
+    return dict(sorted(found.items()))
 
 
 def save_sharded_model(model, folder: Path, is_main: bool) -> None:
@@ -110,8 +130,9 @@ def read_run_state(folder: Path, layout: dict) -> dict:
     path = folder / RUN_STATE_FILE
     if path.is_symlink() or not path.is_file():
         raise KHAError(f"{folder} has no {RUN_STATE_FILE}: not a complete checkpoint of a sharded run")
-    record = read_json_object(path)
-    if record.get("format") != FORMAT or not isinstance(record.get("optimizer"), dict):
+    record = read_json_object(path, MAX_RECORD)
+    kinds = {"optimizer": dict, "scheduler": dict, "files": dict}
+    if record.get("format") != FORMAT or any(not isinstance(record.get(k), t) for k, t in kinds.items()):
         raise KHAError(f"{path}: not a run state kha wrote (format {record.get('format')!r})")
     if record.get("layout") != layout:
         raise KHAError(
@@ -119,6 +140,38 @@ def read_run_state(folder: Path, layout: dict) -> dict:
             "the same launch (processes and layout)"
         )
     return record
+
+
+def _restored(saved, current, what: str):
+    """SAVED (read from JSON) as a value of CURRENT's kind: a finite number for a number, a bool for a bool, a list
+    of as many for a list or tuple, None for None; one-line KHAError otherwise (a tampered or foreign run state)."""
+
+    def number(x) -> bool:
+        if isinstance(x, str):  # non-finite floats are kept as text (_json_value)
+            return False
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if current is None or isinstance(current, str):
+        ok = saved is None or isinstance(saved, str)
+    elif isinstance(current, bool):
+        ok = isinstance(saved, bool)
+    elif isinstance(current, int):
+        ok = isinstance(saved, int) and not isinstance(saved, bool)
+    elif isinstance(current, float):
+        ok = number(saved)
+    elif isinstance(current, (list, tuple)):
+        ok = isinstance(saved, list) and len(saved) == len(current)
+        if ok:
+            return type(current)(_restored(s, c, what) for s, c in zip(saved, current, strict=True))
+    elif isinstance(current, dict):
+        ok = isinstance(saved, dict) and set(saved) <= set(current)
+        if ok:
+            return {**current, **{k: _restored(v, current[k], what) for k, v in saved.items()}}
+    else:
+        ok = False
+    if not ok:
+        raise KHAError(f"{what}: {str(saved)[:40]!r} is not a value this run can take (a changed run state)")
+    return float(saved) if isinstance(current, float) else saved
 
 
 def load_run_state(model, optimizer, scheduler, folder: Path, layout: dict) -> None:
@@ -135,18 +188,20 @@ def load_run_state(model, optimizer, scheduler, folder: Path, layout: dict) -> N
     tensors, others = _split(current)
     if set(others) != set(record["optimizer"]):
         raise KHAError(f"{folder.name}: its optimizer holds other parameters than this model's")
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(shards)))
-    except Exception as err:  # DCP raises a CheckpointException carrying each rank's error
+    except (Exception, CheckpointException) as err:  # torch 2.13's CheckpointException is a BaseException
         raise KHAError(f"cannot read the optimizer of {folder.name}: {str(err).splitlines()[0][:300]}") from None
     for key, saved in record["optimizer"].items():
-        value = others[key]
-        others[key] = type(value)(saved) if isinstance(value, (tuple, float)) and saved is not None else saved
-    set_optimizer_state_dict(model, optimizer, {**tensors, **others}, options=_options())
+        others[key] = _restored(saved, others[key], f"{folder.name}: optimizer {key}")
     scheduler_state = scheduler.state_dict()
+    if not set(record["scheduler"]) <= set(scheduler_state):
+        raise KHAError(f"{folder.name}: its scheduler is not this run's (keys {sorted(record['scheduler'])[:5]})")
     for key, saved in record["scheduler"].items():
-        if key in scheduler_state:
-            scheduler_state[key] = saved
+        scheduler_state[key] = _restored(saved, scheduler_state[key], f"{folder.name}: scheduler {key}")
+    set_optimizer_state_dict(model, optimizer, {**tensors, **others}, options=_options())
     scheduler.load_state_dict(scheduler_state)
 
 
@@ -157,7 +212,7 @@ def last_complete_checkpoint(run_folder: Path) -> str | None:
     for folder in Path(run_folder).glob("checkpoint-*"):
         step = folder.name.removeprefix("checkpoint-")
         mark = folder / RUN_STATE_FILE
-        if step.isdigit() and not folder.is_symlink() and not mark.is_symlink() and mark.is_file():
+        if step.isascii() and step.isdigit() and not folder.is_symlink() and not mark.is_symlink() and mark.is_file():
             steps.append((int(step), folder))
     return str(max(steps)[1]) if steps else None
 
@@ -167,22 +222,35 @@ def check_resumed_layout(run_folder: Path, checkpoint: str | None, plan) -> str 
     newest complete one, saved under the same layout (one-line KHAError otherwise: its shards and per-rank random
     states would not fit another); without one: CHECKPOINT, unless a sharded run wrote it (it holds no optimizer
     Trainer could read)."""
+    run_folder = Path(run_folder)
     if plan is None:
-        if checkpoint is not None and (Path(checkpoint) / RUN_STATE_FILE).is_file():
-            layout = read_json_layout(Path(checkpoint))
+        sharded = [
+            c for c in run_folder.glob("checkpoint-*")
+            if (c / RUN_STATE_FILE).exists() or (c / OPTIMIZER_DIR).exists()
+        ]  # fmt: skip
+        if checkpoint is not None and sharded:  # an unfinished one too: its optimizer would silently start anew
+            layout = read_json_layout(max(sharded, key=lambda c: c.stat().st_mtime))
             raise KHAError(
-                f"{Path(checkpoint).name} was saved by a run sharded at load time ({layout}): resume it with the same "
+                f"{run_folder.name} was trained by a run sharded at load time ({layout}): resume it with the same "
                 "launch (accelerate config, processes, --tp-size / --ep-size)"
             )
         return checkpoint
+    links = [p.name for p in [*run_folder.iterdir()] if p.is_symlink()]
+    if links:  # a checkpoint written later would go through it, out of the run's folder
+        raise KHAError(f"{run_folder / links[0]} is a symbolic link: a run resumes in a folder it wrote itself")
     complete = last_complete_checkpoint(run_folder)
     if complete is None:
         raise KHAError(
             f"nothing to resume under this layout: {run_folder} holds no checkpoint-N that a sharded run completed "
             f"({RUN_STATE_FILE}); a run of another engine resumes with its own launch"
         )
-    read_run_state(Path(complete), plan.layout())
+    record = read_run_state(Path(complete), plan.layout())
     check_regular_files(Path(complete))
+    if weight_files(Path(complete)) != record["files"]:
+        raise KHAError(
+            f"{Path(complete).name}: its safetensors files are not those its run state records (a shard missing, "
+            "added or changed in size): not a checkpoint to resume from"
+        )
     return complete
 
 
@@ -206,6 +274,6 @@ def read_json_layout(folder: Path):
     from ..common.text_files import read_json_object
 
     try:
-        return read_json_object(folder / RUN_STATE_FILE).get("layout")
-    except KHAError:
-        return "unreadable"
+        return read_json_object(folder / RUN_STATE_FILE, MAX_RECORD).get("layout")
+    except (KHAError, OSError):
+        return "an unfinished checkpoint"

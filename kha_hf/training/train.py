@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from torch.distributed.checkpoint.api import CheckpointException
 from transformers import TrainingArguments, default_data_collator
 
 from ..checkpoint.loading import check_model_ref, load_tokenizer
@@ -35,7 +36,7 @@ from .corpus_data import (
 )
 from .data import read_documents, train_heldout_split
 from .deepspeed_config import check_deepspeed_config
-from .from_config import check_model_fits, is_config_ref, kha_config_from, model_from_config
+from .from_config import check_model_fits, is_config_ref, kha_config_from, model_from_config, weight_bytes
 from .guards import (
     StopOnNonFiniteLoss,
     check_batches,
@@ -48,6 +49,7 @@ from .modes import DEFAULT_LR, prepare_for_mode
 from .parallel import (
     build_sharded,
     check_distributed_loading,
+    check_plan_fits,
     hand_over_from_accelerate,
     load_sharded,
     plan_from_launch,
@@ -247,6 +249,9 @@ def train(
     # 0 steps is an error, before the model is loaded
     check_batches(len(train_set), batch_size, plan.data_parallel_size if plan else world_size())
     known_config = config if from_config else getattr(local_checkpoint, "model_config", None)
+    layout_config = config if from_config else getattr(local_checkpoint, "config", None)
+    if layout_config is not None:  # a Hub id's experts are known once loaded (transformers refuses there)
+        check_plan_fits(plan, layout_config)
     if corpus is None and known_config is not None:
         check_token_ids(train_set, heldout_set, known_config)  # before the model loads: one line, nothing printed
     # before the model: under DeepSpeed ZeRO-3 (accelerate launch) the arguments switch transformers to build it
@@ -271,29 +276,33 @@ def train(
         # Trainer checkpoints no optimizer of a model sharded at load time: kha's run state does (run_state.py)
         save_only_model=plan is not None,
     )
+    build = None  # new weights under a parallel layout: built inside the run's working folder (below)
     if plan is not None and checkpoint is not None:  # the weights come sharded from the checkpoint itself
         model = _load(checkpoint, dtype, plan)
-    elif from_config and plan is not None:  # built once, then loaded as a checkpoint is: each rank its shard
-        args.world_size  # noqa: B018 (reading it sets up the process group the build shares its folder over)
+    elif from_config and plan is not None:
         build = partial(model_from_config, config, seed, dtype)
-        model = build_sharded(build, KHAForCausalLM, plan, output_dir.parent, dtype=dtype)
     elif from_config:
         model = model_from_config(config, seed, dtype)
     else:
         model = _load(model_path, dtype, plan)
     if not from_config:
         check_positions(model.config, seq_len)
+    model_config = config if build is not None else model.config
     if corpus is not None:
-        check_vocabulary_fits(corpus, model.config.get_text_config().vocab_size, train_set, heldout_set)
+        check_vocabulary_fits(corpus, model_config.get_text_config().vocab_size, train_set, heldout_set)
     elif known_config is None:  # a Hub id: its vocabulary is known once loaded
-        check_token_ids(train_set, heldout_set, model.config)
+        check_token_ids(train_set, heldout_set, model_config)
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
-    check_lora_rank(model, lora_r, mode)
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if build is None:
+        check_lora_rank(model, lora_r, mode)
+    model_bytes = weight_bytes(config, dtype) if build is not None else weight_bytes(model)
     check_free_space(output_dir.parent, model_bytes + (1 << 20), "the trained model")
 
-    model = prepare_for_mode(model, mode, lora_r=lora_r)
+    if build is None:
+        model = prepare_for_mode(model, mode, lora_r=lora_r)
     with run_output_dir(output_dir, replace, args, adopt=adopt) as work:
+        if build is not None:  # built once and loaded as a checkpoint is, each rank its shard (training/parallel.py)
+            model = prepare_for_mode(build_sharded(build, KHAForCausalLM, plan, work, dtype=dtype), mode)
         trainer = KHATrainer(
             model=model,
             args=args,
@@ -317,6 +326,9 @@ def train(
             raise KHAError(f"cannot resume from {checkpoint}: {unpickling_reason(err)}") from err
         except SystemExit as err:  # a library ended the run (DeepSpeed's autotuning did): no model, never exit 0
             raise KHAError(f"training stopped before its last step (exit({err.code!r}) inside the trainer)") from None
+        except (OSError, CheckpointException) as err:  # a checkpoint that could not be written (a full disk)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise KHAError(f"training stopped on a file error (a checkpoint in {work}?): {first[:300]}") from err
         metrics = trainer.evaluate()
         heldout = metrics["eval_loss"]
         check_training_result(output.global_step, output.training_loss, heldout, model)  # keeps no bad model
@@ -356,7 +368,7 @@ def _load(source, dtype, plan):
         if plan is not None:
             return load_sharded(KHAForCausalLM, source, plan, dtype=dtype)
         return KHAForCausalLM.from_pretrained(source, dtype=dtype)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, CheckpointException) as err:  # DCP's is a BaseException (torch 2.13)
         raise KHAError(f"cannot load a KHA model from {source}: {' '.join(str(err).split())[:400]}") from err
 
 

@@ -193,3 +193,16 @@ def test_a_layout_the_processes_do_not_divide_is_one_line_and_writes_nothing(pre
         "kha train: error: --ep-size 3 does not divide the 1 process(es) of this launch"
     ]
     assert not out.exists() and not list(tmp_path.glob(".kha-*"))
+
+
+def test_ram_efficient_loading_changes_nothing(monkeypatch):
+    """`fsdp_cpu_ram_efficient_loading`, true or false, gives the same plan: every rank always builds on the meta
+    device and reads its own shard (test_fsdp_low_memory_build_and_a_save_without_foreign_files measures it)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    plans = []
+    for flag in ("true", "false"):
+        monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", flag)
+        plans.append(plan_from_launch())
+    assert plans[0] == plans[1] and plans[0].fsdp_size == 2
