@@ -74,14 +74,27 @@ def worker(arm: str, preset_name: str, corpus: str, steps: int, batch: int, seq:
         model = build_sharded(build, model_class, plan, Path(out).parent)
     trainer = KHATrainer(model=model, args=args, train_dataset=prepared.blocks("train", seq), plan=plan)
     metrics = trainer.train().metrics
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
-    peaks = [peak]
+    import psutil
+
+    def local_bytes(tensor) -> int:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return tensor.numel() * tensor.element_size()
+
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    held = sum(local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
+    held += sum(local_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+    mine = {
+        "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # MiB (Linux: KiB), the whole run
+        "now": psutil.Process().memory_info().rss / 2**20,  # after the last step
+        "state": held / 2**20,  # this rank's weights, gradients and AdamW moments
+    }
+    ranks = [mine]
     if torch.distributed.is_initialized():
-        peaks = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(peaks, peak)
+        ranks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, mine)
     if trainer.is_world_process_zero():
         rate = metrics["train_samples_per_second"] * seq
-        print(json.dumps({"arm": arm, "tokens_per_second": rate, "peak_rss_mib": peaks}), flush=True)
+        print(json.dumps({"arm": arm, "tokens_per_second": rate, "memory": ranks}), flush=True)
     if torch.distributed.is_initialized():  # a rank that exits with the group alive aborts in gloo's destructor
         trainer.accelerator.wait_for_everyone()
         torch.distributed.destroy_process_group()
@@ -142,16 +155,22 @@ def memory(args) -> None:
         corpus = prepare_corpus(Path(tmp))
         for preset in ("cpu-tiny", "gpu-small"):
             args.preset = preset
-            peaks = {engine: launch("kha", args, corpus, Path(tmp), engine)["peak_rss_mib"]
-                     for engine in ("ddp", "fsdp2-full")}  # fmt: skip
-            rows.append((preset, peaks))
+            memory = {engine: launch("kha", args, corpus, Path(tmp), engine)["memory"]
+                      for engine in ("ddp", "fsdp2-full")}  # fmt: skip
+            rows.append((preset, memory))
     print(f"\nengine: {', '.join(sorted(ENGINES))}")
-    print("\n| preset | DDP peak RSS per rank (MiB) | FSDP2 peak RSS per rank (MiB) | FSDP2 / DDP |")
-    print("|---|---|---|---|")
-    for preset, peaks in rows:
-        ddp, fsdp = (", ".join(f"{x:,.0f}" for x in peaks[e]) for e in ("ddp", "fsdp2-full"))
-        ratio = max(peaks["fsdp2-full"]) / max(peaks["ddp"])
-        print(f"| {preset} | {ddp} | {fsdp} | {ratio:.2f} |")
+    print("\nPer rank, MiB: the weights, gradients and AdamW moments it holds; its resident memory after the last")
+    print("step; its peak resident memory over the whole run (imports, the load, the build of new weights).\n")
+    print("| preset | DDP: state / RSS after / peak | FSDP2: state / RSS after / peak | FSDP2/DDP state | RSS after |")
+    print("|---|---|---|---|---|")
+    for preset, memory in rows:
+        cells = {
+            engine: "; ".join(f"{r['state']:,.0f} / {r['now']:,.0f} / {r['peak']:,.0f}" for r in memory[engine])
+            for engine in memory
+        }
+        state = max(r["state"] for r in memory["fsdp2-full"]) / max(r["state"] for r in memory["ddp"])
+        after = max(r["now"] for r in memory["fsdp2-full"]) / max(r["now"] for r in memory["ddp"])
+        print(f"| {preset} | {cells['ddp']} | {cells['fsdp2-full']} | {state:.2f} | {after:.2f} |")
 
 
 def main() -> None:
