@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -86,8 +87,10 @@ def summarize(results: dict, groups: dict[str, list[str]], n_samples: dict) -> d
     return metrics
 
 
+@functools.cache
 def new_task_manager():
-    """lm-eval's TaskManager, announced: indexing every task's YAML takes about 10 s on 2 cores, silently."""
+    """lm-eval's TaskManager, announced, made once per process: indexing every task's YAML takes about 10 s on 2
+    cores, silently, and kha only reads the index (an `ab` run or a test session evaluates many times)."""
     from lm_eval.tasks import TaskManager
 
     print("indexing lm-eval's tasks (once, about 10 s)", flush=True)
