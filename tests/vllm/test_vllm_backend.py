@@ -44,10 +44,10 @@ LOGPROB_ATOL = {"gemma3": 2e-2, "default": 1e-3}
 PERTURBATION = {"mlp_v": 0.3, "linear_qkv": 0.05, "mlp_qkv": 0.1}
 
 
-def greedy(model, tokenizer) -> tuple[list[list[int]], list[list[int]], list[list[float]], float]:
-    """For each prompt: its ids, the NEW_TOKENS greedy continuation ids (EOS ignored, as vLLM is told) and their
-    log-probabilities; and the path's smallest gap between the top two log-probabilities."""
-    prompts, outputs, logprobs, margin = [], [], [], float("inf")
+def greedy(model, tokenizer) -> tuple[list[list[int]], list[list[int]], list[list[float]], list[list[float]]]:
+    """For each prompt: its ids, the NEW_TOKENS greedy continuation ids (EOS ignored, as vLLM is told), their
+    log-probabilities, and each step's gap between the top two log-probabilities."""
+    prompts, outputs, logprobs, gaps = [], [], [], []
     for text in PROMPTS:
         ids = tokenizer(text).input_ids
         out = model.generate(
@@ -62,11 +62,26 @@ def greedy(model, tokenizer) -> tuple[list[list[int]], list[list[int]], list[lis
         tokens = out.sequences[0, len(ids) :].tolist()
         steps = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # (NEW_TOKENS, vocab), raw logits
         top2 = steps.topk(2, dim=-1).values
-        margin = min(margin, (top2[:, 0] - top2[:, 1]).min().item())
+        gaps.append((top2[:, 0] - top2[:, 1]).tolist())
         prompts.append(ids)
         outputs.append(tokens)
         logprobs.append(steps[torch.arange(len(tokens)), tokens].tolist())
-    return prompts, outputs, logprobs, margin
+    return prompts, outputs, logprobs, gaps
+
+
+def smallest_gap(gaps: list[list[float]]) -> float:
+    return min(min(steps) for steps in gaps)
+
+
+def decided_prefixes(tokens: list[list[int]], gaps: list[list[float]], atol: float) -> list[list[int]]:
+    """Each continuation up to its first step whose top-two gap is at most 2 * ATOL: two engines whose
+    log-probabilities agree within ATOL pick the same token wherever the gap is larger, and either may be picked at a
+    tie (a tiny random model can have exact ties: SmolLM3's had gap 0.0 on CI, 2026-12-07). Shapes: (prompts, steps)."""
+    prefixes = []
+    for ids, steps in zip(tokens, gaps, strict=True):
+        ties = [i for i, gap in enumerate(steps) if gap <= 2 * atol]
+        prefixes.append(ids[: ties[0]] if ties else ids)
+    return prefixes
 
 
 def perturbed_copy(folder, out, scale: float = PERTURBATION["mlp_v"]) -> None:
@@ -111,7 +126,8 @@ def checkpoints(request, tmp_path_factory, gemma3_linear_kha, smollm2_plain):
     cases = {}
     for name, (folder, base) in folders.items():
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        prompts, expected, logprobs, margin = greedy(KHAForCausalLM.from_pretrained(folder).eval(), tokenizer)
+        prompts, expected, logprobs, gaps = greedy(KHAForCausalLM.from_pretrained(folder).eval(), tokenizer)
+        margin = smallest_gap(gaps)
         stock = None
         if name.endswith("perturbed"):
             stock = greedy(AutoModelForCausalLM.from_pretrained(base).eval(), tokenizer)[1]
