@@ -136,7 +136,8 @@ def test_family_through_the_plugin_token_exact(family, families, plugin_runs):
     worst = max(shared_path_differences(got["tokens"], got["logprobs"], expected, logprobs), default=0.0)
     atol = LOGPROB_ATOL["default"]
     assert worst <= atol, f"{family}: log-probabilities differ from transformers' by up to {worst:.2e} (atol {atol})"
-    decided = decided_prefixes(expected, gaps, atol)
+    # the tokens are decided where the top-two gap exceeds twice the differences measured (4.8e-7 on 2026-12-07)
+    decided = decided_prefixes(expected, gaps, max(worst, 1e-6))
     assert sum(map(len, decided)) >= len(expected) * NEW_TOKENS // 2, f"{family}: too many ties to compare: {gaps}"
     got_prefixes = [ids[: len(prefix)] for ids, prefix in zip(got["tokens"], decided, strict=True)]
     assert got_prefixes == decided, f"{family}: vLLM {got['tokens']} != transformers {expected} (gaps {gaps})"
