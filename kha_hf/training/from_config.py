@@ -80,9 +80,10 @@ def _read_json_config(path: Path) -> dict:
     return values
 
 
-def check_model_fits(config: KHAConfig, dtype) -> None:
+def check_model_fits(config: KHAConfig, dtype) -> int:
     """Count CONFIG's parameters on the meta device (nothing allocated) and refuse a model whose weights alone
-    would not fit in the memory free now (training needs about four times that: gradients, AdamW's two states)."""
+    would not fit in the memory free now (training needs about four times that: gradients, AdamW's two states).
+    Returns the weights' bytes."""
 
     from .corpus_data import available_memory
 
@@ -93,6 +94,7 @@ def check_model_fits(config: KHAConfig, dtype) -> None:
             f"the config's model holds {weights / 2**30:.1f} GiB of weights, more than the {free / 2**30:.1f} GiB free "
             "(training needs about four times its weights)"
         )
+    return weights
 
 
 def weight_bytes(model_or_config, dtype=None) -> int:

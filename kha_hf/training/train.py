@@ -237,7 +237,7 @@ def train(
         check_positions(config, seq_len)
         # counted on the meta device before the training arguments exist: under ZeRO-3 they make every model build
         # partitioned (deepspeed.zero.Init), the meta device's included
-        check_model_fits(config, dtype)
+        model_bytes = check_model_fits(config, dtype)
     else:
         tokenizer = load_tokenizer(model_path, tokenizer, offer_trust=False)
         if local_checkpoint is not None:  # a Hub id is checked once loaded
@@ -295,7 +295,8 @@ def train(
     print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
     if build is None:
         check_lora_rank(model, lora_r, mode)
-    model_bytes = weight_bytes(config, dtype) if build is not None else weight_bytes(model)
+    if not from_config:
+        model_bytes = weight_bytes(model)
     check_free_space(output_dir.parent, model_bytes + (1 << 20), "the trained model")
 
     if build is None:
@@ -337,15 +338,17 @@ def train(
         trainer.save_metrics("train", output.metrics)  # train_results.json, eval_results.json: as HF's examples do
         trainer.save_metrics("eval", metrics)
         adapter_dir = None
-        print(f"saving the trained model to {output_dir}")
+        main = trainer.is_world_process_zero()  # one line per run, not per rank
+        if main:
+            print(f"saving the trained model to {output_dir}")
         try:
             if mode == "lora":
                 model.save_pretrained(work / "adapter")
                 adapter_dir = output_dir / "adapter"
                 model = model.merge_and_unload()  # a full KHA model with the trained knocks and merged LoRA deltas
-            main = plan is None or trainer.is_world_process_zero()  # a sharded model: every rank joins the gather
-            model.save_pretrained(work, is_main_process=main)
-            if main:
+            # a sharded model: every rank joins the gather (save_pretrained writes on the main process only)
+            model.save_pretrained(work, is_main_process=plan is None or main)
+            if plan is None or main:
                 tokenizer.save_pretrained(work)
         except (OSError, SafetensorError) as err:  # a full disk ends here; safetensors' error is no OSError
             raise KHAError(f"cannot save the trained model to {output_dir}: {err}") from err
@@ -356,7 +359,8 @@ def train(
             )
             carry_training_card(Path(model_path), work, note)
     change = f" (before training: {before:.4f})" if before is not None else ""
-    print(f"train loss {output.training_loss:.4f}, held-out loss {heldout:.4f}{change}; saved to {output_dir}")
+    if main:
+        print(f"train loss {output.training_loss:.4f}, held-out loss {heldout:.4f}{change}; saved to {output_dir}")
     return TrainResult(
         output_dir, output.training_loss, heldout, output.global_step, trainer.state.log_history, adapter_dir, before
     )

@@ -87,6 +87,7 @@ def check_run_from_a_config(engine: str, proc, out, prepared, one_process, tmp_p
     """What an uninterrupted 2-process run from a config must show (the module docstring)."""
     assert f"engine: {EXPECTED[engine]} on 2 process(es)" in proc.stdout  # what ran is what the config asked for
     assert "knocks at the start: identity on all 2 ranks; weight decay on knocks: [0.0]" in proc.stdout
+    assert proc.stdout.count("; saved to ") == 1, proc.stdout[-2000:]  # the run's last line, once, not per rank
     losses, reference = logged_losses(out), logged_losses(one_process)
     assert sorted(losses) == list(range(1, STEPS + 1))
     if engine != "zero3":
