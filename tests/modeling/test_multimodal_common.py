@@ -82,6 +82,10 @@ class _MultimodalCommonTests(common.ModelTesterMixin):
             patcher.start()
             self.addCleanup(patcher.stop)
 
+    @unittest.skip("transformers' torch_dtype keyword alias, 70 loads: run on Llama (test_transformers_common.py)")
+    def test_bc_torch_dtype(self):
+        pass
+
     @unittest.skip("GenerationTesterMixin is not in the transformers sdist (generate: test_multimodal.py)")
     def test_generation_tester_mixin_inheritance(self):
         pass
