@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
         default=1 << 24,
         help="at most this many tokens in each of the two evaluation splits (default: %(default)s)",
     )
-    p.add_argument("--split", default="train", help="the split of a Hub dataset to stream (default: train)")
+    p.add_argument("--split", default="train", help="the split of a Hub dataset to stream")
     p.set_defaults(func=run)
 
 
