@@ -188,7 +188,7 @@ def test_every_family_loads_as_remote_code_without_kha_hf(tmp_path):
             with torch.no_grad():
                 gap = (model(ids).logits - logits).abs().max().item()
             # 1e-6, not equality: with transformers 5.25 a reloaded Qwen2-MoE differs from the model that was saved
-            # by 3e-8, in process and without kha-hf's remote code alike (its experts' kernel)
+            # by 3e-8, in process and without kha-hf's remote code alike
             assert gap <= 1e-6, (family, gap)
             print("REMOTE_OK", family)
         """

@@ -134,15 +134,6 @@ class _KHACommonTests(common.ModelTesterMixin):
             patcher.start()
             self.addCleanup(patcher.stop)
 
-    # transformers' deprecated `torch_dtype` keyword, 70 loads of every class (9 s a family, transformers 5.25): it
-    # tests transformers' from_pretrained, which KHA does not touch, so one family shows the KHA classes pass it on.
-    test_bc_torch_dtype_here = False
-
-    def test_bc_torch_dtype(self):
-        if not self.test_bc_torch_dtype_here:
-            self.skipTest("transformers' torch_dtype alias: run on Llama (KHALlamaCommonTest)")
-        super().test_bc_torch_dtype()
-
     @pytest.mark.filterwarnings("always::FutureWarning")  # it counts a deprecation warning pyproject.toml hides
     def test_bc_cache_name_forward(self):
         super().test_bc_cache_name_forward()
@@ -175,7 +166,6 @@ class _KHACommonTests(common.ModelTesterMixin):
 
 class KHALlamaCommonTest(_KHACommonTests, unittest.TestCase):
     base_config = LlamaConfig
-    test_bc_torch_dtype_here = True
 
 
 class KHAQwen3CommonTest(_KHACommonTests, unittest.TestCase):
@@ -243,12 +233,15 @@ for _model_type in sorted(OTHER_FAMILIES):
     globals()[_test_class.__name__] = _test_class
 
 
-# The fp16 variants of transformers' eager-vs-SDPA test (8 of 25; the mixin makes them per class) run the same KHA
-# code as the bf16 ones (knocks are dtype-agnostic), at 0.6 s a variant and class on CPUs: every variant runs on
-# Llama, the bf16 and fp32 ones on every family.
+def _on_llama_only(name: str) -> bool:
+    """Tests run on Llama alone. transformers' deprecated `torch_dtype` keyword (70 loads of every class, 9 s a
+    family, transformers 5.25) tests transformers' from_pretrained, which KHA does not touch. The fp16 variants of the
+    eager-vs-SDPA test (8 of 25; the mixin makes them per class) run the same KHA code as the bf16 ones (knocks are
+    dtype-agnostic), at 0.6 s a variant and class on CPUs; bf16 and fp32 run on every family."""
+    return name == "test_bc_torch_dtype" or (name.startswith("test_eager_matches_sdpa_inference_") and "_fp16_" in name)
+
+
 for _test_class in [c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, _KHACommonTests)]:
     if _test_class is not KHALlamaCommonTest:
-        for _name in [
-            n for n in dir(_test_class) if n.startswith("test_eager_matches_sdpa_inference_") and "_fp16_" in n
-        ]:
-            setattr(_test_class, _name, unittest.skip("fp16 eager vs SDPA: run on Llama")(lambda self: None))
+        for _name in filter(_on_llama_only, dir(_test_class)):
+            setattr(_test_class, _name, unittest.skip("run on Llama (KHALlamaCommonTest)")(lambda self: None))

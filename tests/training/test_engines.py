@@ -13,8 +13,6 @@ import pytest
 
 from tests.training.engines import ENGINES, EXPECTED, RUN, heldout_loss, kha_train
 
-TOLERANCE = 1e-4  # per logged loss: the same batches, reduced in another order
-
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_from_a_converted_checkpoint(engine, prepared, kha_dir, tmp_path):
