@@ -26,6 +26,7 @@ def pytest_configure(config):
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
     # Marks used by transformers' own test_modeling_common.py (tests/modeling/upstream_common.py loads it).
+    config.addinivalue_line("markers", f"exhaustive: {EXHAUSTIVE_NOTE}")
     for mark in ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test", "torch_compile_test"):
         config.addinivalue_line("markers", f"{mark}: a mark of transformers' own tests")
     # Importing a transformers model class (torch 2.13) creates torch's compile cache, TMPDIR/torchinductor_<user>,
@@ -62,6 +63,12 @@ SLOW_PATHS = (
     "tests/peft/test_peft_upstream.py",
     "tests/eval/test_eval.py",
 )
+# The exhaustive tier: matrix points that repeat, on more families or engines, a code path that CI already runs on a
+# representative one (each marked where it is defined, saying which one). They skip unless KHA_EXHAUSTIVE=1, which
+# runs every family and engine of the table (docs/getting-started.md: before a release, and after a change to the code
+# they cover). CI runs the representatives: .ci/run has a 45-minute target on 2 cores.
+EXHAUSTIVE = os.environ.get("KHA_EXHAUSTIVE") == "1"
+EXHAUSTIVE_NOTE = "a matrix point that CI covers on a representative; runs with KHA_EXHAUSTIVE=1"
 SLOW_NAMES = ("remote_code", "fresh_process", "without_kha_hf", "permutation_test_memory", "unreachable_hub")
 
 
@@ -71,6 +78,8 @@ def pytest_collection_modifyitems(config, items):
         where = Path(str(item.path)).resolve().relative_to(root).as_posix()
         if where.startswith(SLOW_PATHS) or any(name in item.name for name in SLOW_NAMES):
             item.add_marker(pytest.mark.slow)
+        if not EXHAUSTIVE and item.get_closest_marker("exhaustive") is not None:
+            item.add_marker(pytest.mark.skip(reason=EXHAUSTIVE_NOTE))
 
 
 def pytest_unconfigure(config):

@@ -36,6 +36,25 @@ COMMON = dict(
 )
 
 
+# the exhaustive tier (tests/conftest.py): matrix points beyond CI's representatives run only with KHA_EXHAUSTIVE=1
+EXHAUSTIVE = os.environ.get("KHA_EXHAUSTIVE") == "1"
+# Families whose per-family tests (transformers' common tests, vLLM's plugin) are that tier: each is a base that a
+# representative runs in CI, through the same KHA classes. Mistral, Ministral, Seed-OSS, GLM-4, Granite and SmolLM3
+# are Llama-shaped decoders (Llama; Qwen2 and Qwen3 for biases and q/k norms); Mixtral is Qwen3-MoE's routed experts
+# without a shared one (Qwen2-MoE has it); HunYuan's q/k norms are Qwen3's; OLMo 3 is OLMo 2 with sliding layers
+# (Gemma 2 and Gemma 3 have those).
+EXHAUSTIVE_FAMILIES = frozenset(
+    {"mistral", "ministral", "seed_oss", "glm4", "granite", "smollm3", "mixtral", "hunyuan_v1_dense", "olmo3"}
+)
+
+
+def family_params(families) -> list:
+    """FAMILIES as pytest parameters, those of EXHAUSTIVE_FAMILIES marked for the exhaustive tier."""
+    import pytest
+
+    return [pytest.param(f, marks=[pytest.mark.exhaustive] if f in EXHAUSTIVE_FAMILIES else []) for f in families]
+
+
 def tiny_configs() -> dict[str, PreTrainedConfig]:
     """One tiny config per family, with each family's peculiarity switched on."""
     return {

@@ -38,7 +38,7 @@ from kha_hf import (
 from kha_hf.modeling.configuration_kha import TASK_HEADS, _public_class_name, family_heads
 from kha_hf.modeling.knocks import KnockLinear
 from kha_hf.modeling.modeling_kha import KHAPreTrainedModel, family_classes, head_class
-from tests.helpers import MLA_FAMILIES, OTHER_FAMILIES
+from tests.helpers import EXHAUSTIVE_FAMILIES, MLA_FAMILIES, OTHER_FAMILIES
 from tests.modeling.upstream_common import load_modeling_common
 
 common = load_modeling_common()
@@ -229,19 +229,27 @@ def _other_family_test(model_type: str) -> type:
 
 
 for _model_type in sorted(OTHER_FAMILIES):
-    _test_class = _other_family_test(_model_type)
-    globals()[_test_class.__name__] = _test_class
+    _made = _other_family_test(_model_type)
+    globals()[_made.__name__] = _made
 
 
 def _on_llama_only(name: str) -> bool:
     """Tests run on Llama alone. transformers' deprecated `torch_dtype` keyword (70 loads of every class, 9 s a
-    family, transformers 5.25) tests transformers' from_pretrained, which KHA does not touch. The fp16 variants of the
-    eager-vs-SDPA test (8 of 25; the mixin makes them per class) run the same KHA code as the bf16 ones (knocks are
-    dtype-agnostic), at 0.6 s a variant and class on CPUs; bf16 and fp32 run on every family."""
-    return name == "test_bc_torch_dtype" or (name.startswith("test_eager_matches_sdpa_inference_") and "_fp16_" in name)
+    family, transformers 5.25) tests transformers' from_pretrained, which KHA does not touch. The fp16 and bf16
+    variants of the eager-vs-SDPA test (16 of 25; the mixin makes them per class) run the same KHA code as the fp32
+    ones (knocks are dtype-agnostic), at 0.6 s a variant and class on CPUs; fp32 runs on every family."""
+    if name == "test_bc_torch_dtype":
+        return True
+    return name.startswith("test_eager_matches_sdpa_inference_") and ("_fp16_" in name or "_bf16_" in name)
 
 
-for _test_class in [c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, _KHACommonTests)]:
-    if _test_class is not KHALlamaCommonTest:
-        for _name in filter(_on_llama_only, dir(_test_class)):
-            setattr(_test_class, _name, unittest.skip("run on Llama (KHALlamaCommonTest)")(lambda self: None))
+_CLASSES = [c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, _KHACommonTests)]
+assert EXHAUSTIVE_FAMILIES <= {c.base_config.model_type for c in _CLASSES}, "a family without its common tests"
+for _made in _CLASSES:
+    if _made is not KHALlamaCommonTest:
+        for _name in filter(_on_llama_only, dir(_made)):
+            setattr(_made, _name, unittest.skip("run on Llama (KHALlamaCommonTest)")(lambda self: None))
+    if _made.base_config.model_type in EXHAUSTIVE_FAMILIES:  # the exhaustive tier (tests/helpers.py says why)
+        _made.pytestmark = [pytest.mark.exhaustive]
+# a module-level name bound to a TestCase class is collected again under that name: none may remain
+del _made, _CLASSES
