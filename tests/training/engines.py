@@ -26,12 +26,12 @@ EXPECTED = {
 }
 
 
-def engines(*names: str) -> list:
-    """ENGINES as pytest parameters."""
-    return [pytest.param(name) for name in names]
+def engines(*names: str, exhaustive: tuple[str, ...] = ()) -> list:
+    """NAMES as pytest parameters; those in EXHAUSTIVE marked for the exhaustive tier (tests/conftest.py)."""
+    return [pytest.param(name, marks=[pytest.mark.exhaustive] if name in exhaustive else []) for name in names]
 
 
-ENGINES = engines("ddp", "fsdp2-full", "fsdp2-sharded", "zero2", "zero3")
+ENGINES = ("ddp", "fsdp2-full", "fsdp2-sharded", "zero2", "zero3")
 RUN = ["--seq-len", "64", "--logging-steps", "1"]
 
 

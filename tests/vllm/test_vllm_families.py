@@ -21,7 +21,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from kha_hf import KHAForCausalLM
-from tests.helpers import ALL_FAMILIES, randomize_knocks, save_tiny_tokenizer, tiny_base_model
+from tests.helpers import (
+    ALL_FAMILIES,
+    EXHAUSTIVE,
+    EXHAUSTIVE_FAMILIES,
+    family_params,
+    randomize_knocks,
+    save_tiny_tokenizer,
+    tiny_base_model,
+)
 from tests.vllm.conftest import run_worker, with_plugin
 from tests.vllm.test_vllm_backend import (
     LOGPROB_ATOL,
@@ -51,6 +59,8 @@ REFUSED = {
     # vLLM's Transformers backend runs only layers that dispatch through transformers' attention interface
     "qwen3_next": "Layer 0 (linear_attention) does not dispatch through the Transformers attention interface",
 }
+# the exhaustive tier's families (tests/helpers.py) only with KHA_EXHAUSTIVE=1: one vLLM load less each
+VLLM_FAMILIES = [f for f in ALL_FAMILIES if EXHAUSTIVE or f not in EXHAUSTIVE_FAMILIES]
 OPT_IN = pytest.mark.skipif(os.environ.get("KHA_VLLM_FAMILIES") != "1", reason="opt-in: KHA_VLLM_FAMILIES=1")
 
 
@@ -60,7 +70,7 @@ def families(tmp_path_factory):
     (tokens, logprobs)} from transformers, or {"build_error": ...} for a tiny config this transformers cannot build."""
     root = tmp_path_factory.mktemp("families")
     cases = {}
-    for family in ALL_FAMILIES:
+    for family in VLLM_FAMILIES:
         preset = "linear_qkv" if family in LINEAR_ONLY else "mlp_v"
         overrides = {"vocab_size": 300, "head_dim": 32, **OVERRIDES.get(family, {})}
         try:
@@ -119,7 +129,7 @@ def plugin_runs(families, vllm_env, vllm_plugin, tmp_path_factory):
     return {**runs, "_log": out["_log"]}
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("family", family_params(ALL_FAMILIES))
 def test_family_through_the_plugin_token_exact(family, families, plugin_runs):
     case = families[family]
     if "build_error" in case:
@@ -173,7 +183,7 @@ def stock_runs(families, vllm_env, tmp_path_factory):
 
 
 @OPT_IN
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("family", family_params(ALL_FAMILIES))
 def test_stock_family_in_vllm(family, families, stock_runs, plugin_runs):
     case = families[family]
     if "build_error" in case:
