@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.errors import KHAError
+from ..common.version import __version__
 from .paths import (
     OUTPUT_MARKER,
     PARTIAL_MARKER,
@@ -95,7 +96,9 @@ def atomic_output_dir(
             tmp = check_adoptable(adopt, dst)
         lock = _lock(tmp, created=adopt is None)  # held until the end: two runs never work in one folder
         _write_partial_marker(tmp, dst, WRITING)
-        _write_new_file(tmp / OUTPUT_MARKER, json.dumps({"command": f"kha {marker or 'output'}"}) + "\n")
+        # the version tells what the folder holds (a training run of a version that names it has kha_data.json)
+        stamp = {"command": f"kha {marker or 'output'}", "version": __version__}
+        _write_new_file(tmp / OUTPUT_MARKER, json.dumps(stamp) + "\n")
     except BaseException as err:
         if lock is not None:
             os.close(lock)

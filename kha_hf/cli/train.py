@@ -74,6 +74,12 @@ def add_parser(sub) -> None:
         help="continue an interrupted run of --output (or from the last checkpoint-N in it)",
     )
     p.add_argument(
+        "--trust-checkpoint-pickle",
+        action="store_true",
+        help="with --resume: load DeepSpeed states whose pickles name code beyond plain data (loading runs that code: "
+        "only for a checkpoint you wrote yourself)",
+    )
+    p.add_argument(
         "--save-steps", type=bounded_int(MAX_STEPS), default=None, help="checkpoint interval (default: half the run)"
     )
     p.add_argument(

@@ -99,11 +99,31 @@ def write_run_record(folder: Path, record: dict) -> None:
         (folder / RUN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
+def _written_by(folder: Path) -> str | None:
+    """The kha-hf version FOLDER's `.kha-output` marker names (markers written since 2026-12-07), or None."""
+    from ..checkpoint.paths import OUTPUT_MARKER
+    from ..common.text_files import read_json_object
+
+    try:
+        version = read_json_object(folder / OUTPUT_MARKER, 4096).get("version")
+    except (KHAError, OSError):
+        return None
+    return version if isinstance(version, str) else None
+
+
 def check_resumed_record(folder: Path | None, record: dict) -> None:
     """`--resume` continues the run it resumes: the same corpus, seed and block length, or a one-line refusal."""
-    path = folder / RUN_RECORD if folder is not None else None
-    if path is None or not (path.exists() or path.is_symlink()):
-        return  # a run of kha-hf <= 0.6 recorded nothing
+    if folder is None:
+        return
+    path = folder / RUN_RECORD
+    if not (path.exists() or path.is_symlink()):
+        version = _written_by(folder)
+        if version is None:
+            return  # an older run: kha-hf 0.6 recorded nothing, and markers named no version before 2026-12-07
+        raise KHAError(
+            f"{path} is missing: kha-hf {version} wrote this run with its record (corpus, seed, block length), which "
+            "--resume checks; start a new run"
+        )
     if path.is_symlink() or not path.is_file():
         raise KHAError(f"{path} is not a regular file: not the record kha train wrote; start a new run")
     try:

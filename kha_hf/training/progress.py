@@ -19,6 +19,12 @@ def format_log(logs: dict, step: int, max_steps: int) -> str:
         return f"{when}  held-out loss {logs['eval_loss']:.4f}"
     if "train_runtime" in logs:
         mean_loss = logs.get("train_loss", float("nan"))
+        start = int(logs.get("resumed_from_step") or 0)
+        if start:  # a resumed run: the steps this process ran, and the mean of the whole run's
+            return (
+                f"trained steps {start + 1}-{step} (resumed at step {start}) in {logs['train_runtime']:.0f} s, "
+                f"mean loss of the run's {step} steps {mean_loss:.4f}"
+            )
         return f"trained {step} steps in {logs['train_runtime']:.0f} s, mean loss {mean_loss:.4f}"
     return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in logs.items())
 

@@ -55,6 +55,13 @@ class StabilityLog:
     _logits: dict[int, float] = field(default_factory=dict)
     probing: bool = False
 
+    def mean_loss(self) -> float | None:
+        """The mean step loss of the whole run: over the rows of its record (a resumed run's include the steps
+        before its checkpoint), or, without a file, over the rows kept here. None when nothing was recorded."""
+        rows = iter_stability_lines(self.path) if self.path is not None else self.rows
+        losses = [row["loss"] for row in rows if isinstance(row.get("loss"), (int, float))]
+        return sum(losses) / len(losses) if losses else None
+
     def wants_logits(self, step: int) -> bool:
         """Whether optimizer step STEP (1-based) measures the attention logits: the first, then every K-th."""
         return self.logit_every > 0 and (step == 1 or step % self.logit_every == 0)

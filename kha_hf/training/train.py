@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import shutil
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -55,6 +56,7 @@ from .parallel import (
     plan_from_launch,
     world_size,
 )
+from .resume_files import TRAINER_STATE, check_checkpoint_files, check_run_entries, last_complete_checkpoint
 from .run_dir import run_output_dir
 from .run_state import check_resumed_layout
 from .spikes import SPIKE_MARGIN, check_spike_margin
@@ -154,6 +156,7 @@ def train(
     bf16: bool = False,
     gradient_checkpointing: bool = False,
     resume: bool = False,
+    trust_checkpoint_pickle: bool = False,
     save_steps: int | None = None,
     logging_steps: int | None = None,
     seed: int = 0,
@@ -217,6 +220,8 @@ def train(
     if resume:  # the same destination rule as a plain run, and only a folder kha wrote is continued or replaced
         output_dir, adopt, checkpoint = resume_point(output_dir, [model_path, tokenizer], data)
         checkpoint = check_resumed_layout(adopt or output_dir, checkpoint, plan)
+        if plan is None:  # a run sharded at load time keeps its states in kha's run state, checked above
+            check_checkpoint_files(checkpoint, trust_checkpoint_pickle)
         check_resumed_record(adopt or output_dir, record)  # the same corpus, seed and block length
         check_checkpoint_step(checkpoint, max_steps)
         replace = output_dir.exists()
@@ -316,9 +321,13 @@ def train(
             stability_every=logit_every or max(1, max_steps // 50),
             plan=plan,
         )
+        resumed_at = int(Path(checkpoint).name.rpartition("-")[2]) if checkpoint else None  # checkpoint-N
+        trainer.resumed_from_step = resumed_at or 0
         if trainer.is_world_process_zero():
             write_run_record(work, record)  # what --resume checks: the same corpus, seed and block length
-            resumed_at = int(Path(checkpoint).name.rpartition("-")[2]) if checkpoint else None  # checkpoint-N
+            if checkpoint and adopt is None and (output_dir / STABILITY_FILE).is_file():
+                # a finished run resumed: its record goes on (steps past the checkpoint are dropped just below)
+                shutil.copyfile(output_dir / STABILITY_FILE, work / STABILITY_FILE)
             trainer.stability.append_to(work / STABILITY_FILE, resumed_at)  # per step: loss, norms, lr, logits
         before = trainer.evaluate()["eval_loss"] if eval_before else None
         try:
@@ -332,6 +341,7 @@ def train(
             raise KHAError(f"training stopped on a file error (a checkpoint in {work}?): {first[:300]}") from err
         metrics = trainer.evaluate()
         heldout = metrics["eval_loss"]
+        output = output._replace(training_loss=output.metrics["train_loss"])  # the whole run's (KHATrainer.log)
         check_training_result(output.global_step, output.training_loss, heldout, model)  # keeps no bad model
         if trainer.is_world_process_zero():
             output.metrics.update(stability_metrics(iter_stability_lines(work / STABILITY_FILE), spike_margin))
@@ -398,6 +408,15 @@ def check_checkpoint_step(checkpoint: str | None, max_steps: int) -> None:
         raise KHAError(f"{folder.name} is at step {step}, past --max-steps {max_steps}: ask for more steps to resume")
 
 
+def _resumable_checkpoint(folder: Path) -> str:
+    """FOLDER's newest complete checkpoint, once nothing in FOLDER is a link or a FIFO (resume_files.py)."""
+    check_run_entries(folder)
+    checkpoint = last_complete_checkpoint(folder)
+    if checkpoint is None:
+        raise KHAError(f"nothing to resume: {folder} holds no complete checkpoint-N (with {TRAINER_STATE})")
+    return checkpoint
+
+
 def resume_point(
     output_dir: str | Path, models: list | None = None, data: list[str] | None = None
 ) -> tuple[Path, Path | None, str]:
@@ -409,8 +428,6 @@ def resume_point(
     with kha's marker naming OUTPUT: the run continues there; a sibling that is a symbolic link, lacks the marker or
     whose process still runs is never adopted. A finished run resumes from OUTPUT's last checkpoint-N.
     """
-    from transformers.trainer_utils import get_last_checkpoint
-
     models = list(models or [])
     output_dir = check_run_destination(output_dir, models, data, overwrite=True)
     kept = resumable_partials(output_dir)
@@ -418,7 +435,7 @@ def resume_point(
         folder = check_adoptable(kept[0], output_dir)
         check_run_place(folder, models, data)  # it is written to as well
         print(f"resuming the interrupted run kept in {folder}")
-        return output_dir, folder, get_last_checkpoint(str(folder))
+        return output_dir, folder, _resumable_checkpoint(folder)
     if output_dir.is_dir() and not output_dir.is_symlink() and is_training_run(output_dir):
-        return output_dir, None, get_last_checkpoint(str(output_dir))
+        return output_dir, None, _resumable_checkpoint(output_dir)
     raise KHAError(f"nothing to resume: {output_dir} holds no checkpoint-N folders and no interrupted run of it")

@@ -52,6 +52,7 @@ class KHATrainer(Trainer):
         use_readable_progress(self)  # a step bar and one line per log, not raw dicts
         self.add_callback(RankChecks(self))  # knocks at their start, out of weight decay and alike at the end
         self.knock_lr = knock_lr
+        self.resumed_from_step = 0  # the checkpoint's step when train() resumes one (set by kha train)
         self._last_log = (time.perf_counter(), 0)
         self._knocks_train = any(p.requires_grad and is_knock_parameter(n) for n, p in self.model.named_parameters())
 
@@ -160,6 +161,14 @@ class KHATrainer(Trainer):
             if tokens > last_tokens and now > last_time:
                 logs["tokens_per_second"] = round((tokens - last_tokens) / (now - last_time), 1)
             self._last_log = (now, tokens)
+        if "train_runtime" in logs and self.stability is not None:  # the end of train(): the whole run's summary
+            # Trainer's train_loss covers the steps this process ran (transformers 5.25; 5.16 divides their sum by
+            # every step), so a resumed run reported another mean than the same run uninterrupted: the record's is
+            # the run's (its step losses are the ones Trainer logs, the mean over ranks)
+            whole = self.stability.mean_loss()
+            if whole is not None:
+                logs["train_loss"] = whole
+            logs["resumed_from_step"] = self.resumed_from_step
         super().log(logs, start_time)
 
 

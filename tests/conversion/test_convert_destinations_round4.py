@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kha_hf import KHAForCausalLM
+from kha_hf import KHAForCausalLM, __version__
 from kha_hf.checkpoint.output import PARTIAL_MARKER, remove_stale_partials, resumable_partials
 from kha_hf.checkpoint.paths import OUTPUT_MARKER
 from kha_hf.common.errors import KHAError
@@ -91,14 +91,14 @@ def test_a_marker_that_is_a_link_is_no_licence(src, tmp_path, capsys):
 
 def test_convert_and_fold_outputs_carry_the_marker_and_overwrite_replaces_them(src, linear_kha, tmp_path, capsys):
     out = convert(src, tmp_path / "out", progress=False).output
-    assert json.loads((out / OUTPUT_MARKER).read_text()) == {"command": "kha convert"}
+    assert json.loads((out / OUTPUT_MARKER).read_text()) == {"command": "kha convert", "version": __version__}
     assert not (out / PARTIAL_MARKER).exists()
     (out / "stale.txt").write_text("from the first run")
     assert cli(capsys, ["convert", str(src), str(out), "--overwrite"])[0] == 0
     assert not (out / "stale.txt").exists() and (out / OUTPUT_MARKER).is_file()
     folded = tmp_path / "folded"
     assert cli(capsys, ["fold", str(linear_kha), str(folded)])[0] == 0
-    assert json.loads((folded / OUTPUT_MARKER).read_text()) == {"command": "kha fold"}
+    assert json.loads((folded / OUTPUT_MARKER).read_text()) == {"command": "kha fold", "version": __version__}
     assert cli(capsys, ["fold", str(linear_kha), str(folded), "--overwrite"])[0] == 0
     assert leftovers(tmp_path) == []
 

@@ -149,6 +149,10 @@ def test_a_killed_run_resumes_exactly(engine, prepared, one_process, tmp_path):
     assert worst < TOLERANCE, {
         s: (expected[s], resumed[s]) for s in expected if abs(resumed[s] - expected[s]) >= TOLERANCE
     }
+    # the resumed run reports the whole run, as the uninterrupted one does (#69 item 5): its mean training loss
+    summaries = [json.loads((out / "train_results.json").read_text()) for out in (full, killed)]
+    assert abs(summaries[1]["train_loss"] - summaries[0]["train_loss"]) < TOLERANCE, summaries
+    assert f"trained steps {SAVE + 1}-{STEPS} (resumed at step {SAVE})" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_resume_with_another_seed_or_corpus_is_refused(prepared, corpus, tmp_path):

@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from kha_hf import __version__
 from kha_hf.checkpoint.output import PARTIAL_MARKER, resumable_partials
 from kha_hf.checkpoint.paths import OUTPUT_MARKER
 from kha_hf.cli import main
@@ -147,7 +148,7 @@ def test_sigterm_just_after_the_swap_is_a_success_and_leaves_nothing_resumable(k
     data, _ = corpus
     out = tmp_path / "out"
     assert main(["train", str(kha_dir), "--output", str(out), "--data", str(data), *TRAIN]) == 0
-    assert json.loads((out / OUTPUT_MARKER).read_text()) == {"command": "kha train"}
+    assert json.loads((out / OUTPUT_MARKER).read_text()) == {"command": "kha train", "version": __version__}
     first = tree_digest(out)
     prelude = """
         import os, signal
