@@ -163,6 +163,8 @@ class KHAHandler:
     (one pool: kha serve serves one model), LIMITS, the requests in flight in REGISTRY. Each endpoint's subclass
     renders its prompt (`_inputs`)."""
 
+    INPUT = "messages"  # the request field that holds its prompt (each endpoint names its own)
+
     def __init__(self, *args, renders: RenderPool, limits: ServeLimits, registry: RequestRegistry, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.renders, self.limits, self.registry = renders, limits, registry
@@ -191,6 +193,9 @@ class KHAHandler:
         self._validate_request(body)
         engine = self.model_manager.get_engine(body.get("model"))
         inputs = await self._inputs(body, engine, started)
+        if prompt_length(inputs) == 0:  # transformers 5.25 answered a 500 ("cannot reshape tensor of 0 elements")
+            message = "the model's chat template renders this request to no tokens: nothing to generate from"
+            raise RequestError(400, message, self.INPUT)
         generation_kwargs = self._build_generation_kwargs(body, engine.generation_config)
         vocab = getattr(engine.model_config.get_text_config(), "vocab_size", None)
         check_model_settings(body, vocab, generation_kwargs)
@@ -219,6 +224,7 @@ class KHAHandler:
 
 class KHAChatCompletionHandler(KHAHandler, ChatCompletionHandler):
     EXTRA = "tools"
+    INPUT = "messages"
 
     async def _inputs(self, body: dict, engine, started: float):
         check_no_media_tokens(engine.processor, body["messages"], "messages")
@@ -228,6 +234,7 @@ class KHAChatCompletionHandler(KHAHandler, ChatCompletionHandler):
 
 class KHACompletionHandler(KHAHandler, CompletionHandler):
     EXTRA = "suffix"
+    INPUT = "prompt"
 
     async def _inputs(self, body: dict, engine, started: float):
         # the prompt tokenised on kha serve's pool; an empty prompt starts from the BOS token (5.25 would send the
@@ -243,6 +250,8 @@ class KHACompletionHandler(KHAHandler, CompletionHandler):
 
 
 class KHAResponseHandler(KHAHandler, ResponseHandler):
+    INPUT = "input"
+
     async def _inputs(self, body: dict, engine, started: float):
         check_no_media_tokens(engine.processor, body["input"], "input")
         check_no_media_tokens(engine.processor, body.get("instructions"), "instructions")

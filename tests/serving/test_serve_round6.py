@@ -33,12 +33,16 @@ COMPLETIONS = "/v1/completions"
 TIMEOUT = 6  # the server's --request-timeout
 RENDER_MEMORY = 256 << 20
 BOMB = "hello world!"  # 12 characters, as in the report
-# the bomb for BOMB, round 5's endless loop for ENDLESS, the plain template otherwise
+# nothing for NOTHING, the bomb for BOMB, round 5's endless loop for ENDLESS, the plain template otherwise
+NOTHING = "render nothing"  # the template renders this request to no text at all (#70 item 9)
 HOSTILE_TEMPLATE = (
-    "{% if messages[0]['content'] == '"
+    "{% if messages[0]['content'] != '"
+    + NOTHING
+    + "' %}{% if messages[0]['content'] == '"
     + BOMB
     + "' %}{{ messages[0]['content'] * 150000000 }}{% endif %}"
     + ENDLESS_TEMPLATE
+    + "{% endif %}"
 )
 CLOSE = {"connection": "close"}
 
@@ -108,6 +112,15 @@ def test_a_templates_string_bomb_is_bounded_and_the_server_goes_on(server):
     assert peak.children < 2 * (900 << 20) + RENDER_MEMORY, peak.children >> 20
     for _ in range(3):  # the worker that ran out was replaced
         assert chat(base, "the lazy dog").status_code == 200
+
+
+def test_a_request_the_template_renders_to_no_tokens_gets_a_400(server):
+    base, _ = server
+    response = chat(base, NOTHING)
+    assert response.status_code == 400, response.text  # was a 500: "cannot reshape tensor of 0 elements"
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "renders this request to no tokens" in error["message"], error
+    assert chat(base, "the lazy dog").status_code == 200
 
 
 def test_an_endless_render_is_ended_with_its_worker(server):
