@@ -67,3 +67,33 @@ def check_deepspeed_config(path: str | Path | None = None) -> None:
                 f"the DeepSpeed config {path} offloads to NVMe ({offload}.nvme_path), which writes swap files outside "
                 "--output: offload to cpu, or none"
             )
+    check_with_deepspeed(path, config)
+
+
+def check_with_deepspeed(path: Path, config: dict) -> None:
+    """DeepSpeed's own parse of CONFIG (`DeepSpeedConfig`, deepspeed 0.19), before any rank starts: what it rejects
+    (a legacy top-level `curriculum_learning` block, a field out of its range) is one line here, not a traceback per
+    rank and the launcher's. The batch sizes that transformers fills in ("auto") are set to 1 for the parse; a field
+    left "auto" that DeepSpeed's models reject is transformers' to fill, never refused here."""
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+        from pydantic import ValidationError
+    except ImportError:  # no DeepSpeed here: the launch cannot run it either, and says so itself
+        return
+    parsed = dict(config)
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if parsed.get(key) == "auto":
+            parsed[key] = 1
+    if parsed.get("train_batch_size") == "auto":
+        del parsed["train_batch_size"]
+    try:
+        DeepSpeedConfig(parsed)
+    except ValidationError as err:
+        if any(error.get("input") == "auto" for error in err.errors()):
+            return
+        reason = " ".join(str(err).split())
+    except (DeepSpeedConfigError, ValueError, TypeError, KeyError, AssertionError) as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+    else:
+        return
+    raise KHAError(f"the DeepSpeed config {path} is one DeepSpeed refuses: {reason[:300]}")

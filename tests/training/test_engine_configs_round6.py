@@ -51,6 +51,32 @@ def test_blocks_that_write_elsewhere_or_end_the_run_are_refused(tmp_path, blocks
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    "blocks, said",
+    [  # #70 item 10: DeepSpeed itself rejects these, once per rank, after kha's check had passed them
+        ({"curriculum_learning": {"enabled": True}}, "Legacy top-level 'curriculum_learning' has been removed"),
+        ({"zero_optimization": {"stage": 7}}, "validation error for DeepSpeedZeroConfig"),
+    ],
+)
+def test_a_config_deepspeed_itself_refuses_is_one_line(tmp_path, blocks, said):
+    with pytest.raises(KHAError, match="is one DeepSpeed refuses") as refused:
+        check_deepspeed_config(_config(tmp_path, **blocks))
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_what_transformers_fills_in_passes(tmp_path):
+    """The "auto" values of transformers' DeepSpeed examples are left to it."""
+    autos = {
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"},
+    }
+    check_deepspeed_config(_config(tmp_path, **autos))
+
+
 def test_a_plain_config_and_disabled_blocks_pass(tmp_path):
     check_deepspeed_config(_config(tmp_path))
     check_deepspeed_config(_config(tmp_path, flops_profiler={"enabled": False}, tensorboard={"enabled": False}))
