@@ -128,9 +128,7 @@ def atomic_output_dir(
         else:
             shutil.rmtree(tmp, ignore_errors=True)
         if _is_disk_full(err):  # name the folder being written, not whichever file the failing call read
-            raise KHAError(
-                f"no space left on the device of {dst.parent} while writing {dst.name}; nothing was put in place"
-            ) from err
+            raise KHAError(f"no space left on the device while writing {dst}; nothing was put in place") from err
         raise
     finally:
         if lock is not None:

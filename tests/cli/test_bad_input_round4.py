@@ -78,6 +78,15 @@ def test_a_diverged_run_exits_nonzero_and_saves_no_model(kha, text, tmp_path, ca
     assert kept and any(p.name.startswith("checkpoint-") for p in kept[0].iterdir())
 
 
+def test_a_run_diverged_before_its_first_checkpoint_leaves_nothing(kha, text, tmp_path, capsys):
+    """docs/safety.md (#70 item 16): the partial is kept only when it holds a checkpoint saved before the loss
+    diverged; one without any would hold nothing to resume or inspect."""
+    argv = ["train", str(kha), "--output", str(tmp_path / "o"), "--data", str(text), *SMALL, "--lr", "1e30"]
+    err = train_error(capsys, [*argv, "--max-steps", "4", "--save-steps", "4"])
+    assert "training diverged" in err and "not saved" in err
+    assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".kha-")]
+
+
 def test_the_result_check_names_the_nan_knocks():
     from kha_hf.training.guards import check_training_result
 

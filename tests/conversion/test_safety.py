@@ -102,8 +102,10 @@ def test_overwrite_replaces_a_checkpoint_only_after_the_new_one_is_complete(src,
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(convert_module, "_write_cast_shard", broken)
-    with pytest.raises(KHAError, match="no space left on the device"):
+    with pytest.raises(KHAError) as full:
         convert(src, dst, overwrite=True, dtype="float16", progress=False)
+    # DST whole, as docs/safety.md says (#70 item 15: it named the parent folder and the name apart)
+    assert str(full.value) == f"no space left on the device while writing {dst}; nothing was put in place"
     assert (dst / "marker").read_text() == "old", "the old DST must survive a failed overwrite"
     monkeypatch.undo()
     convert(src, dst, overwrite=True, progress=False)
