@@ -22,6 +22,7 @@ import io
 import multiprocessing
 import pickle
 import re
+import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,7 +209,7 @@ class RenderPool:
         except asyncio.TimeoutError:
             raise RenderTimedOut() from None
         except (EOFError, OSError):  # the worker died while rendering: a crash in native code, the OOM killer, a kill
-            raise RenderFailed("its render process ended before it answered (out of memory, or killed)") from None
+            raise RenderFailed(self._death(worker)) from None
         finally:
             if done and (ok or not value[1]):
                 self._idle.put_nowait(worker)
@@ -218,6 +219,17 @@ class RenderPool:
             message, memory = value
             raise RenderFailed(f"it needed more than --render-memory ({self.memory >> 20} MiB)" if memory else message)
         return value
+
+    def _death(self, worker: _Worker) -> str:
+        """Why WORKER ended while rendering, as a client reads it. Native code that cannot allocate under the worker's
+        address-space cap aborts the process (SIGABRT: tokenizers' Rust allocator does) instead of raising
+        MemoryError, so an abort is the render needing more than --render-memory too."""
+        worker.process.join(1)
+        if worker.process.exitcode == -signal.SIGABRT:
+            return f"it needed more than --render-memory ({self.memory >> 20} MiB): native code ran out and aborted"
+        if worker.process.exitcode == -signal.SIGKILL:
+            return "its render process was killed before it answered (the system's OOM killer, or a kill)"
+        return f"its render process ended before it answered (exit code {worker.process.exitcode})"
 
     def close(self) -> None:
         """End every worker (the server stops)."""

@@ -35,12 +35,18 @@ RENDER_MEMORY = 256 << 20
 BOMB = "hello world!"  # 12 characters, as in the report
 # nothing for NOTHING, the bomb for BOMB, round 5's endless loop for ENDLESS, the plain template otherwise
 NOTHING = "render nothing"  # the template renders this request to no text at all (#70 item 9)
+# a text Python holds within --render-memory whose tokenisation does not fit: tokenizers' Rust allocator aborts the
+# worker (#70 item 17)
+TOKENS_BOMB = "tokens bomb"
 HOSTILE_TEMPLATE = (
     "{% if messages[0]['content'] != '"
     + NOTHING
     + "' %}{% if messages[0]['content'] == '"
     + BOMB
     + "' %}{{ messages[0]['content'] * 150000000 }}{% endif %}"
+    + "{% if messages[0]['content'] == '"
+    + TOKENS_BOMB
+    + "' %}{{ 'a b ' * 12000000 }}{% endif %}"
     + ENDLESS_TEMPLATE
     + "{% endif %}"
 )
@@ -120,6 +126,16 @@ def test_a_request_the_template_renders_to_no_tokens_gets_a_400(server):
     assert response.status_code == 400, response.text  # was a 500: "cannot reshape tensor of 0 elements"
     error = response.json()["error"]
     assert error["param"] == "messages" and "renders this request to no tokens" in error["message"], error
+    assert chat(base, "the lazy dog").status_code == 200
+
+
+def test_a_render_that_native_code_cannot_allocate_says_it_needed_more_render_memory(server):
+    base, _ = server
+    response = chat(base, TOKENS_BOMB)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    # not "ended before it answered (out of memory, or killed)": the worker aborted inside tokenizers (SIGABRT)
+    assert "needed more than --render-memory (256 MiB): native code ran out and aborted" in error["message"], error
     assert chat(base, "the lazy dog").status_code == 200
 
 
