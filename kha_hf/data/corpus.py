@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..common.errors import KHAError
+from .chunks import ChunkCheck, read_chunk_digests
 from .fingerprint import fingerprint_difference, tokenizer_fingerprint
 
 FORMAT = "kha-corpus"
@@ -58,6 +59,7 @@ class PreparedCorpus:
     dtype: np.dtype
     splits: dict[str, tuple[int, int]]  # split -> (first token, end token)
     manifest_sha256: str  # of the manifest's bytes as read: what a resumed run checks it trains on
+    chunks: tuple[int, bytes] | None = None  # (chunk bytes, digests) of tokens.chunks (data/chunks.py); None: older
 
     @property
     def tokens(self) -> int:
@@ -99,7 +101,7 @@ class PreparedCorpus:
         n = (end - start) // body
         if max_blocks is not None:
             n = min(n, max_blocks)
-        return TokenBlockFile(self.folder / TOKENS, self.dtype, start, body, n, bos)
+        return TokenBlockFile(self.folder / TOKENS, self.dtype, start, body, n, bos, self.chunks)
 
 
 def open_corpus(folder: str | Path) -> PreparedCorpus:
@@ -135,7 +137,8 @@ def open_corpus(folder: str | Path) -> PreparedCorpus:
         )
     splits = _checked_splits(path, manifest.get("splits"), tokens)
     _check_records(path, manifest)
-    return PreparedCorpus(folder, manifest, dtype, splits, hashlib.sha256(raw).hexdigest())
+    chunks = read_chunk_digests(folder, manifest, size)
+    return PreparedCorpus(folder, manifest, dtype, splits, hashlib.sha256(raw).hexdigest(), chunks)
 
 
 def _is_int(value) -> bool:
@@ -182,10 +185,14 @@ def _checked_splits(path: Path, splits, tokens: int) -> dict[str, tuple[int, int
 
 class TokenBlockFile(Dataset):
     """Fixed-length blocks of a split, read lazily; item i is {"input_ids", "labels"} (both the block, (seq_len,)
-    int64). Each read is one `os.pread`; the file is opened once per process (a fork reopens it)."""
+    int64). Each read is one `os.pread` (and, the first time a block of a chunk is read, that chunk once more, to check
+    its digest: data/chunks.py); the file is opened once per process (a fork reopens it)."""
 
-    def __init__(self, path: Path, dtype: np.dtype, start: int, body: int, n: int, bos: int | None) -> None:
+    def __init__(
+        self, path: Path, dtype: np.dtype, start: int, body: int, n: int, bos: int | None, chunks=None
+    ) -> None:
         self.path, self.dtype, self.start, self.body, self.n, self.bos = path, dtype, start, body, n, bos
+        self.chunks = None if chunks is None else ChunkCheck(*chunks)  # each chunk checked at its first read
         self.id_limit: int | None = None  # the model's vocabulary: an id at or past it is refused, not looked up
         self._fd: int | None = None
         self._pid: int | None = None
@@ -205,8 +212,10 @@ class TokenBlockFile(Dataset):
         """Block I as (seq_len,) int64."""
         if not 0 <= i < self.n:
             raise IndexError(f"block {i} of {self.n}")
-        size = self.body * self.dtype.itemsize
-        data = os.pread(self._descriptor(), size, (self.start + i * self.body) * self.dtype.itemsize)
+        size, offset = self.body * self.dtype.itemsize, (self.start + i * self.body) * self.dtype.itemsize
+        if self.chunks is not None:
+            self.chunks.check(self._descriptor(), self.path, offset, size)
+        data = os.pread(self._descriptor(), size, offset)
         if len(data) != size:
             raise KHAError(f"{self.path} is shorter than its manifest says (block {i}): the corpus changed")
         ids = np.frombuffer(data, dtype=self.dtype)

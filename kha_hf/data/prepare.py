@@ -27,6 +27,7 @@ from ..checkpoint.output import atomic_output_dir, check_free_space
 from ..checkpoint.paths import check_run_destination
 from ..common.errors import KHAError
 from ..common.version import __version__
+from .chunks import CHUNK_BYTES, CHUNKS, ChunkHasher
 from .corpus import FORMAT, MANIFEST, SPLITS, TOKENIZER_DIR, TOKENS, VERSION
 from .fingerprint import tokenizer_fingerprint
 from .sources import SKIP_KINDS, Piece, Source, read_pieces, resolve_sources
@@ -137,7 +138,7 @@ def tokenize_corpus(
         except Exception as err:  # tokenizers' Rust writer raises a bare Exception ("File too large (os error 27)")
             raise KHAError(f"cannot write the tokenizer into {final}: {err}") from err
         started = time.perf_counter()
-        written, max_id, digest = _write_tokens(
+        written, max_id, digest, chunks = _write_tokens(
             resolved, out, tok.eos_token_id, dtype_name, workers, hub_split, disable_tqdm
         )
         seconds = time.perf_counter() - started
@@ -154,6 +155,8 @@ def tokenize_corpus(
             "dtype": dtype_name,
             "tokens": written,
             "tokens_sha256": digest,
+            "chunk_bytes": CHUNK_BYTES,  # tokens.chunks: a digest a chunk, checked as blocks are read (data/chunks.py)
+            "chunks_sha256": chunks,
             "max_token_id": max_id,
             "documents": sum(s.documents for s in resolved),
             "splits": {name: [bounds[i], bounds[i + 1]] for i, name in enumerate(SPLITS)},
@@ -171,12 +174,13 @@ def tokenize_corpus(
 
 def _write_tokens(
     sources: list[Source], out: Path, eos: int, dtype_name: str, workers: int, hub_split: str, disable_tqdm: bool
-) -> tuple[int, int, str]:
-    """Tokenize into OUT/tokens.bin; returns (tokens written, largest id, sha256 of the file)."""
+) -> tuple[int, int, str, str]:
+    """Tokenize into OUT/tokens.bin and its chunks' digests into OUT/tokens.chunks; returns (tokens written, largest
+    id, sha256 of the file, sha256 of tokens.chunks)."""
     from tqdm.auto import tqdm
 
     eos_array = np.asarray([eos], dtype=dtype_name)
-    digest, written, max_id = hashlib.sha256(), 0, -1
+    digest, chunks, written, max_id = hashlib.sha256(), ChunkHasher(), 0, -1
     bar = tqdm(desc="tokenizing", unit=" tok", unit_scale=True, disable=disable_tqdm, smoothing=0.1)
     try:
         with open(out / TOKENS, "wb") as f, _pool(workers, str(out / TOKENIZER_DIR)) as pool:
@@ -194,6 +198,7 @@ def _write_tokens(
                         if part.size:
                             f.write(part.tobytes())
                             digest.update(part.tobytes())
+                            chunks.update(part.tobytes())
                             written += part.size
                             max_id = max(max_id, int(part.max()))
                             bar.update(part.size)
@@ -206,13 +211,18 @@ def _write_tokens(
                 drain_one()
             f.flush()
             os.fsync(f.fileno())
+        digests = chunks.finish()
+        with open(out / CHUNKS, "wb") as f:
+            f.write(digests)
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as err:
         raise KHAError(f"cannot write the corpus to {out.parent}: {err.strerror or err}") from err
     finally:
         bar.close()
     if written == 0:
         raise KHAError("the sources hold no text to tokenize")
-    return written, max_id, digest.hexdigest()
+    return written, max_id, digest.hexdigest(), hashlib.sha256(digests).hexdigest()
 
 
 def _report(manifest: dict, final: Path) -> None:

@@ -18,6 +18,7 @@ from tokenizers.processors import TemplateProcessing
 
 from kha_hf.common.errors import KHAError
 from kha_hf.data import sources as sources_module
+from kha_hf.data.chunks import CHUNKS, ChunkHasher
 from kha_hf.data.corpus import open_corpus
 from kha_hf.data.prepare import tokenize_corpus
 from kha_hf.training.data import pack, read_documents
@@ -379,6 +380,13 @@ def test_ids_past_the_vocabulary_are_refused_as_blocks_are_read(plays_dir, token
     tokens = np.fromfile(tmp_path / "c" / "tokens.bin", dtype=np.uint16)
     tokens[100] = 60000
     tokens.tofile(tmp_path / "c" / "tokens.bin")
+    # its author rewrote the chunk digests and the manifest to match (data/chunks.py would refuse the change alone)
+    hasher = ChunkHasher()
+    hasher.update(tokens.tobytes())
+    (tmp_path / "c" / CHUNKS).write_bytes(digests := hasher.finish())
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    manifest["chunks_sha256"] = hashlib.sha256(digests).hexdigest()
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
     blocks = open_corpus(tmp_path / "c").blocks("train", 64)
     blocks[1]  # read before the limit is known
     blocks.id_limit = 512
