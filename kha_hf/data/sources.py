@@ -130,13 +130,19 @@ def read_pieces(source: Source, hub_split: str = "train", column: str = "text") 
     digest = hashlib.sha256()
     try:
         with open(path, "rb") as f:
-            source.mtime_ns = os.fstat(f.fileno()).st_mtime_ns
+            before = os.fstat(f.fileno()).st_mtime_ns
             if path.suffix == ".parquet":
                 yield from _parquet_pieces(f, source, digest, column)
             else:
                 chunks = _hashed_chunks(f, source, digest)
                 reader = _jsonl_pieces if path.suffix == ".jsonl" else _text_pieces
                 yield from reader(chunks, source)
+            # the record is the file as read: its time once read (a file appended to while it was read recorded the
+            # time at open beside the bytes read, and every later --data refused it as changed, #70 item 13)
+            after = os.fstat(f.fileno())
+            source.mtime_ns = after.st_mtime_ns
+            if after.st_mtime_ns != before and path.suffix != ".parquet":
+                print(f"{path} changed while it was read: the corpus holds the {source.bytes:,} bytes read")
     except OSError as err:
         raise KHAError(f"cannot read {path}: {err.strerror or err}") from err
     source.sha256 = digest.hexdigest()

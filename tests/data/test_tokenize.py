@@ -316,6 +316,28 @@ def test_a_changed_source_is_refused(plays_dir, tokenizer_dir, tmp_path):
     open_corpus(tmp_path / "c").check_sources_unchanged()
 
 
+def test_a_source_appended_to_while_it_is_read_is_recorded_as_read(tokenizer_dir, tmp_path, monkeypatch, capsys):
+    """#70 item 13: the record held the bytes read with the time taken at open, and every later --data refused the
+    corpus as "changed". It holds the file as read now: the appended text included, its time once read."""
+    src = tmp_path / "a.txt"
+    src.write_text("some text " * 300)
+    chunks = sources_module._hashed_chunks
+
+    def appending(f, source, digest):
+        for i, chunk in enumerate(chunks(f, source, digest)):
+            yield chunk
+            if i == 0:  # another process appends once the first chunk was read
+                time.sleep(0.01)  # a later modification time than at open, on any clock resolution
+                with open(src, "a") as other:
+                    other.write("more text " * 50)
+
+    monkeypatch.setattr(sources_module, "_hashed_chunks", appending)
+    manifest = tokenize_corpus([str(src)], tokenizer_dir, tmp_path / "c", disable_tqdm=True, workers=1)
+    assert f"{src} changed while it was read" in capsys.readouterr().out
+    assert manifest["sources"][0]["bytes"] == src.stat().st_size  # the appended text is in the corpus
+    open_corpus(tmp_path / "c").check_sources_unchanged()  # not a false "changed since"
+
+
 def test_text_without_spaces_is_cut_into_pieces(tokenizer_dir, tmp_path):
     """Text with no word boundary (Chinese, a blob) reaches the tokenizer in pieces of about PIECE_BYTES, never in
     one (a tokenizer holds ~200 bytes a token while it encodes: 16 MiB of it took 3.5 GB, found by review)."""
