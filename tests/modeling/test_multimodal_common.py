@@ -12,6 +12,7 @@ from __future__ import annotations
 import unittest
 from unittest import mock
 
+import pytest
 import torch
 from transformers.models.auto import modeling_auto
 
@@ -106,7 +107,13 @@ def _family_test(family: str) -> type:
     return type(name, (_MultimodalCommonTests, unittest.TestCase), attributes)
 
 
+# Idefics3 (SigLIP and a Llama decoder) and Mistral 3 (Pixtral and a Mistral decoder) put image features into a
+# Llama-shaped decoder as Gemma 3 and Qwen2.5-VL do, through the same KHA classes: the exhaustive tier
+# (tests/conftest.py, KHA_EXHAUSTIVE=1)
+EXHAUSTIVE_MULTIMODAL = {"idefics3", "mistral3"}
 for _family in FAILS_ON_STOCK:
     _made = _family_test(_family)
+    if _family in EXHAUSTIVE_MULTIMODAL:
+        _made.pytestmark = [pytest.mark.exhaustive]
     globals()[_made.__name__] = _made
 del _made  # a module-level name bound to a TestCase class is collected again under that name

@@ -115,9 +115,10 @@ def check_run_from_a_config(engine: str, proc, out, prepared, one_process, tmp_p
     assert {p.name for p in out.glob("*.py")} == {p.name for p in model_code_files()}
 
 
-# ZeRO-2 resumes through the same DeepSpeed checkpoint load and Trainer data position as ZeRO-3: its kill and resume
-# are the exhaustive tier (tests/conftest.py, KHA_EXHAUSTIVE=1); its uninterrupted run always runs
-RESUMED_EXHAUSTIVELY = {"zero2"}
+# ZeRO-2 resumes through the same DeepSpeed checkpoint load and Trainer data position as ZeRO-3, and FSDP2 with a FULL
+# save through the same run state (training/run_state.py) as with a SHARDED one: their kills and resumes are the
+# exhaustive tier (tests/conftest.py, KHA_EXHAUSTIVE=1); their uninterrupted runs always run
+RESUMED_EXHAUSTIVELY = {"zero2", "fsdp2-full"}
 
 
 @pytest.mark.parametrize("engine", [None, *engines(*ENGINES)])

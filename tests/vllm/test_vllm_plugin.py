@@ -453,7 +453,8 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("family", ["llama_bias", "qwen2"])
+# Qwen2's q/k/v biases fold as Llama's (llama_bias): the exhaustive tier (tests/conftest.py)
+@pytest.mark.parametrize("family", ["llama_bias", pytest.param("qwen2", marks=pytest.mark.exhaustive)])
 def test_linear_knock_folder_folds_biases_as_kha_fold(family, vllm_env, vllm_plugin, tmp_path):
     """The plugin's fold at load equals `kha fold` (tested against transformers elsewhere) on every q/k/v weight and
     bias, with random non-zero biases: the engine tests' checkpoints have zero biases, where a fold that dropped or

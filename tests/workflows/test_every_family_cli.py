@@ -3,6 +3,7 @@
 Each family is a tiny random stock checkpoint (vocabulary 300, so the tiny tokenizer fits) saved as a user would
 have it; the commands run through `kha_hf.cli.main` (eval and serve through their Python entry points, on one task
 and one request, to keep the run short; on five representative families in CI, on every family with KHA_EXHAUSTIVE=1).
+The families of tests/helpers.py's EXHAUSTIVE_FAMILIES run in the exhaustive tier only.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import requests
 
 from kha_hf.cli import main
-from tests.helpers import ALL_FAMILIES, EXHAUSTIVE, MLA_FAMILIES, free_port, save_tiny_checkpoint
+from tests.helpers import ALL_FAMILIES, EXHAUSTIVE, MLA_FAMILIES, family_params, free_port, save_tiny_checkpoint
 
 FAMILIES = [f for f in ALL_FAMILIES if f != "llama_bias"]
 # eval and serve on these in CI (a dense decoder, MLA, routed experts, a hybrid, attention sinks); on every family in
@@ -28,7 +29,7 @@ def task_manager():
     return TaskManager()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", family_params(FAMILIES))
 def test_every_command_on_every_family(family, tmp_path, task_manager, capsys):
     base, kha, linear = tmp_path / "base", tmp_path / "kha", tmp_path / "linear"
     save_tiny_checkpoint(base, family)
