@@ -72,8 +72,34 @@ EXHAUSTIVE_NOTE = "a matrix point that CI covers on a representative; runs with 
 SLOW_NAMES = ("remote_code", "fresh_process", "without_kha_hf", "permutation_test_memory", "unreachable_hub")
 
 
+# The longest modules first. `--dist loadscope` gives each worker whole modules in collection order, so a long module
+# collected last ran alone at the end while the other worker sat idle (test_resume_exact.py: about 10 minutes on
+# 2026-12-07). Worker-seconds measured on 2026-12-07, longest first; the rest keep their order.
+LONGEST_FIRST = (
+    "tests/training/test_resume_exact.py",
+    "tests/vllm/test_vllm_backend.py",
+    "tests/vllm/test_vllm_plugin.py",
+    "tests/vllm/test_vllm_families.py",
+    "tests/vllm/test_vllm_eval.py",
+    "tests/benchmarks/test_benchmarks.py",
+    "tests/workflows/test_every_family_cli.py",
+    "tests/training/test_parallel_layouts.py",
+    "tests/training/test_continued_ab.py",
+    "tests/docs/test_snippets.py",
+    "tests/training/test_prepared_corpus.py",
+    "tests/vllm/test_vllm_server.py",
+    "tests/peft/test_peft_upstream.py",
+    "tests/gguf/test_real_models.py",
+    "tests/eval/test_eval.py",
+    "tests/vllm/test_vllm_multimodal.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    paths = {id(item): Path(str(item.path)).resolve().relative_to(root).as_posix() for item in items}
+    items.sort(key=lambda item: rank.get(paths[id(item)], len(LONGEST_FIRST)))  # stable: the rest keep their order
     for item in items:
         where = Path(str(item.path)).resolve().relative_to(root).as_posix()
         if where.startswith(SLOW_PATHS) or any(name in item.name for name in SLOW_NAMES):
