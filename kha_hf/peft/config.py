@@ -87,7 +87,12 @@ class KnockConfig(PeftConfig):
     )
 
     def __post_init__(self) -> None:
+        # target_modules is derived from the model (peft/model.py): one pattern of the knocked projections that
+        # already names the layers, never PEFT's own layer selection. PEFT 0.22 refuses a str target_modules beside
+        # layers_to_transform (PEFT itself would ignore the layers), so it is set aside during PEFT's checks.
+        derived, self.target_modules = self.target_modules, None
         super().__post_init__()
+        self.target_modules = derived
         self.peft_type = knock_peft_type()
         if self.task_type is None:
             self.task_type = "CAUSAL_LM"

@@ -200,11 +200,30 @@ def knock_placements(model: nn.Module, config: KnockConfig) -> dict[str, dict[st
 
 # The head names PEFT adds to modules_to_save for a task type (peft_model.PeftModelForSequenceClassification, ...,
 # peft 0.21), whichever of them the model has: for those task types, one the model lacks is not the user's mistake.
-PEFT_TASK_HEADS = {
-    "SEQ_CLS": ("classifier", "score"),
-    "TOKEN_CLS": ("classifier", "score"),
+PEFT_TASK_HEADS = {  # peft 0.22 adds pre_classifier (DistilBERT's) to the classification heads
+    "SEQ_CLS": ("classifier", "score", "pre_classifier"),
+    "TOKEN_CLS": ("classifier", "score", "pre_classifier"),
     "QUESTION_ANS": ("qa_outputs",),
 }
+
+
+def names_module(name: str, entry: str) -> bool:
+    """Whether a modules_to_save ENTRY names the module NAME, by the installed PEFT's rule (utils.other._set_trainable):
+    NAME ends with ENTRY, and from peft 0.22 at a name boundary ("norm" names `model.norm`, no longer
+    `model.layers.0.input_layernorm`)."""
+    if not name.endswith(entry):
+        return False
+    return not _PEFT_NAME_BOUNDARY or len(name) == len(entry) or name.endswith("." + entry)
+
+
+def _name_boundary() -> bool:
+    import peft
+    from packaging.version import Version
+
+    return Version(peft.__version__) >= Version("0.22.0.dev0")
+
+
+_PEFT_NAME_BOUNDARY = _name_boundary()
 # Parts of PEFT's own wrappers (a knocked projection's base layer, a modules_to_save wrapper's copies): not modules
 # a user trains in full.
 _WRAPPER_PARTS = (".base_layer.", ".original_module.", ".modules_to_save.")
@@ -221,10 +240,10 @@ def check_modules_to_save(model: nn.Module, config: KnockConfig, knocked: Iterab
     knocked = list(knocked)
     for entry in config.modules_to_save or ():
         shown = reprlib.repr(entry)
-        matched = [  # peft's rule (utils.other._set_trainable): the module's name ends with the entry
+        matched = [  # peft's rule (utils.other._set_trainable, names_module)
             name
             for name in names
-            if entry and name.endswith(entry) and not any(p in f".{name}." for p in _WRAPPER_PARTS)
+            if entry and names_module(name, entry) and not any(p in f".{name}." for p in _WRAPPER_PARTS)
         ]
         if not matched and entry not in exempt:
             raise ValueError(f"modules_to_save [{shown}] names no module of this model")
@@ -251,7 +270,7 @@ def check_file_saves_its_modules(model: nn.Module, config: KnockConfig) -> None:
     for name, module in model.named_modules(remove_duplicate=False):
         if any(p in f".{name}." for p in _WRAPPER_PARTS):
             continue
-        if any(entry and name.endswith(entry) for entry in config.modules_to_save):
+        if any(entry and names_module(name, entry) for entry in config.modules_to_save):
             if isinstance(module, AuxiliaryTrainingWrapper):  # another adapter's copy: the file holds the module's own
                 module = getattr(module, "original_module", module)
             missing = [f"base_model.model.{name}.{key}" for key in module.state_dict()]

@@ -82,7 +82,11 @@ def test_readme_command_two_is_what_ci_runs():
     two = [line for line in README.read_text().splitlines() if line.startswith("bash scripts/install.sh test && ")]
     assert len(two) == 1
     command = two[0].split("  #")[0].strip()
-    assert command in (ROOT / ".ci" / "run").read_text()
+    install, tests = (part.strip() for part in command.split(" && "))
+    ci = (ROOT / ".ci" / "run").read_text()
+    # CI installs the test environment beside the side environments (at once), then runs the command's tests
+    assert install == "bash scripts/install.sh test" and "install_side_by_side vllm llamacpp axolotl test" in ci
+    assert f'phase "main suite" {tests}\n' in ci
 
 
 def _slug(heading: str) -> str:
