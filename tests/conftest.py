@@ -27,6 +27,11 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = str(threads)
     # Marks used by transformers' own test_modeling_common.py (tests/modeling/upstream_common.py loads it).
     config.addinivalue_line("markers", f"exhaustive: {EXHAUSTIVE_NOTE}")
+    # `--dist loadscope` hands out whole modules; pytest-xdist (3.8) orders them by their number of tests unless told
+    # not to, which put the long training and vLLM modules (few tests, many minutes) last: one worker ran alone for
+    # their last 10 minutes. Collection order instead, the longest modules first (pytest_collection_modifyitems).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     for mark in ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test", "torch_compile_test"):
         config.addinivalue_line("markers", f"{mark}: a mark of transformers' own tests")
     # Importing a transformers model class (torch 2.13) creates torch's compile cache, TMPDIR/torchinductor_<user>,
@@ -72,9 +77,10 @@ EXHAUSTIVE_NOTE = "a matrix point that CI covers on a representative; runs with 
 SLOW_NAMES = ("remote_code", "fresh_process", "without_kha_hf", "permutation_test_memory", "unreachable_hub")
 
 
-# The longest modules first. `--dist loadscope` gives each worker whole modules in collection order, so a long module
-# collected last ran alone at the end while the other worker sat idle (test_resume_exact.py: about 10 minutes on
-# 2026-12-07). Worker-seconds measured on 2026-12-07, longest first; the rest keep their order.
+# The longest modules first. `--dist loadscope` gives each worker whole modules in collection order (pytest_configure
+# turns off xdist's reordering by test count), so a long module collected last ran alone at the end while the other
+# worker sat idle (test_resume_exact.py: about 10 minutes on 2026-12-07). Worker-seconds measured on 2026-12-07,
+# longest first; the rest keep their order.
 LONGEST_FIRST = (
     "tests/training/test_resume_exact.py",
     "tests/vllm/test_vllm_backend.py",
