@@ -206,4 +206,8 @@ def test_a_run_record_that_is_not_a_file_is_refused_on_resume(prepared, tmp_path
     assert kha(*base).returncode == 0
     (out / "kha_data.json").unlink()
     (out / "kha_data.json").symlink_to("/dev/zero")
-    one_line_error(kha(*base, "--resume"), "train", "is not a regular file")
+    # refused with every link in the run's folder, before the record is read (training/resume_files.py)
+    one_line_error(kha(*base, "--resume"), "train", "kha_data.json is a symbolic link")
+    (out / "kha_data.json").unlink()
+    os.mkfifo(out / "kha_data.json")
+    one_line_error(kha(*base, "--resume"), "train", "kha_data.json is not a regular file")
