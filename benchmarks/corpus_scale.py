@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -29,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CHUNK_BYTES = 16 << 20  # kha_hf/data/chunks.py
 
 PACK = r"""
 import json, resource, sys, time
@@ -102,16 +104,30 @@ def tiled_corpus(real: Path, dst: Path, gigabytes: float) -> int:
     copies = max(1, int(gigabytes * 2**30 // len(train)))
     dst.mkdir(parents=True)
     shutil.copytree(real / "tokenizer", dst / "tokenizer")
+    # the chunk digests training checks as it reads (kha_hf/data/chunks.py's format: a SHA-256 a 16 MiB, in
+    # tokens.chunks), computed here without importing kha_hf (this driver imports no torch)
+    digests, current, filled = bytearray(), hashlib.sha256(), 0
     with open(dst / "tokens.bin", "wb") as f:
-        for _ in range(copies):
-            f.write(train)
-        f.write(evaluation)
+        for part in [train] * copies + [evaluation]:
+            f.write(part)
+            view = memoryview(part)
+            while len(view):
+                take = min(len(view), CHUNK_BYTES - filled)
+                current.update(view[:take])
+                filled, view = filled + take, view[take:]
+                if filled == CHUNK_BYTES:
+                    digests += current.digest()
+                    current, filled = hashlib.sha256(), 0
+    if filled:
+        digests += current.digest()
+    (dst / "tokens.chunks").write_bytes(bytes(digests))
     tokens = (copies * len(train) + len(evaluation)) // item
     train_tokens = copies * len(train) // item
     eval_tokens = len(evaluation) // item // 2
     manifest.update(
         tokens=tokens,
         tokens_sha256=None,
+        chunks_sha256=hashlib.sha256(digests).hexdigest(),
         splits={
             "train": [0, train_tokens],
             "validation": [train_tokens, train_tokens + eval_tokens],
