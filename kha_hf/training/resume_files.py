@@ -97,7 +97,8 @@ def _deepspeed_states(folder: Path) -> Path | None:
     pointer = folder / DEEPSPEED_TAG
     if not pointer.exists():
         return None
-    name = pointer.read_text(encoding="utf-8", errors="replace").strip()
+    with open(pointer, "rb") as f:  # a tag is a short folder name: what lies past 4 KiB is no tag
+        name = f.read(4096).decode("utf-8", errors="replace").strip()
     if not name or name in (".", "..") or "/" in name or "\\" in name or not (folder / name).is_dir():
         raise KHAError(f"{pointer} names {name[:80]!r}, not a folder of DeepSpeed's states inside {folder.name}")
     states = folder / name

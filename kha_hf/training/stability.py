@@ -58,9 +58,11 @@ class StabilityLog:
     def mean_loss(self) -> float | None:
         """The mean step loss of the whole run: over the rows of its record (a resumed run's include the steps
         before its checkpoint), or, without a file, over the rows kept here. None when nothing was recorded."""
-        rows = iter_stability_lines(self.path) if self.path is not None else self.rows
-        losses = [row["loss"] for row in rows if isinstance(row.get("loss"), (int, float))]
-        return sum(losses) / len(losses) if losses else None
+        total, count = 0.0, 0  # streamed: memory flat in the run's length
+        for row in iter_stability_lines(self.path) if self.path is not None else self.rows:
+            if isinstance(row.get("loss"), (int, float)):
+                total, count = total + row["loss"], count + 1
+        return total / count if count else None
 
     def wants_logits(self, step: int) -> bool:
         """Whether optimizer step STEP (1-based) measures the attention logits: the first, then every K-th."""
