@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -110,66 +111,119 @@ def tokenize_corpus(
     The stream's last EVAL_FRACTION (at most MAX_EVAL_TOKENS) is held out and the same amount before it is the
     validation split; the rest trains.
     """
-    from ..checkpoint.loading import load_tokenizer
-
-    if not 0 < eval_fraction < 0.5:
-        raise KHAError(f"the evaluation fraction must be between 0 and 0.5, got {eval_fraction}")
-    if not isinstance(max_eval_tokens, int) or max_eval_tokens < 1:
-        raise KHAError(f"the evaluation splits' token cap must be a positive integer, got {max_eval_tokens!r}")
+    check_eval_options(eval_fraction, max_eval_tokens)
     workers = workers or max(1, os.cpu_count() or 1)
     resolved = resolve_sources(list(sources))
     local = [s.name for s in resolved if s.kind == "file"]
     named = [name for name in sources if Path(name).expanduser().exists()]  # the output may lie in none of them
     final = check_run_destination(output, [tokenizer], named + local, overwrite)
-    gguf = Path(tokenizer).expanduser() if str(tokenizer).endswith(".gguf") else None
-    tok = load_tokenizer(gguf or tokenizer, None, gguf=gguf, offer_trust=False, offer_tokenizer=False)
-    if tok.eos_token_id is None:
-        raise KHAError(f"the tokenizer {tokenizer} has no EOS token: documents could not be told apart")
-    # the ids the tokenizer can give: its length, and its vocabulary's largest id (a tokenizer.json may state fewer)
-    size = max(len(tok), max(tok.get_vocab().values(), default=0) + 1)
-    dtype_name = "uint16" if size <= 1 << 16 else "uint32"
+    tok, size = load_corpus_tokenizer(tokenizer)
+    dtype_name = corpus_dtype(size)
     source_bytes = sum(os.path.getsize(name) for name in local)
     # about 4 bytes of text a token at the least: refuse a disk that cannot hold the tokens before reading anything
     check_free_space(final.parent, source_bytes * np.dtype(dtype_name).itemsize // 4, "the tokenized corpus")
 
     with atomic_output_dir(final, overwrite=overwrite, marker="corpus") as out:
-        try:
-            tok.save_pretrained(out / TOKENIZER_DIR)
-        except Exception as err:  # tokenizers' Rust writer raises a bare Exception ("File too large (os error 27)")
-            raise KHAError(f"cannot write the tokenizer into {final}: {err}") from err
+        save_corpus_tokenizer(tok, out, final)
         started = time.perf_counter()
         written, max_id, digest, chunks = _write_tokens(
             resolved, out, tok.eos_token_id, dtype_name, workers, hub_split, disable_tqdm
         )
         seconds = time.perf_counter() - started
-        n_eval = min(max_eval_tokens, int(written * eval_fraction))
-        if n_eval < 1 or written - 2 * n_eval < 1:
-            raise KHAError(f"the sources hold {written} tokens: too few for a validation and a held-out split")
-        bounds = [0, written - 2 * n_eval, written - n_eval, written]
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "kha_hf_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "tokenizer": tokenizer_fingerprint(tok, str(tokenizer)),
-            "dtype": dtype_name,
-            "tokens": written,
-            "tokens_sha256": digest,
-            "chunk_bytes": CHUNK_BYTES,  # tokens.chunks: a digest a chunk, checked as blocks are read (data/chunks.py)
-            "chunks_sha256": chunks,
-            "max_token_id": max_id,
-            "documents": sum(s.documents for s in resolved),
-            "splits": {name: [bounds[i], bounds[i + 1]] for i, name in enumerate(SPLITS)},
-            "split_rule": f"the stream's last {eval_fraction:g} (at most {max_eval_tokens} tokens) held out, the "
-            "same before it for validation, in source order",
-            "skipped": {kind: sum(s.skipped[kind] for s in resolved) for kind in SKIP_KINDS},
-            "sources": [s.record() for s in resolved],
-        }
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")  # written last
-    _report(manifest, final)
+        stream = CorpusStream(dtype_name, written, digest, chunks, max_id, sum(s.documents for s in resolved))
+        manifest = corpus_manifest(tok, str(tokenizer), stream, eval_fraction, max_eval_tokens)
+        manifest["skipped"] = {kind: sum(s.skipped[kind] for s in resolved) for kind in SKIP_KINDS}
+        manifest["sources"] = [s.record() for s in resolved]
+        write_manifest(out, manifest)
+    report_corpus(manifest, final)
     rate = f"{written / seconds:,.0f}"
     print(f"tokenized at {rate} tokens/s with {workers} worker(s) ({seconds:.1f} s, their start included)")
     return manifest
+
+
+@dataclass(frozen=True)
+class CorpusStream:
+    """What a corpus's tokens.bin holds, as its writer measured it (the manifest's token fields)."""
+
+    dtype: str  # "uint16" or "uint32"
+    tokens: int
+    sha256: str  # of tokens.bin
+    chunks_sha256: str  # of tokens.chunks
+    max_token_id: int
+    documents: int
+
+
+def check_eval_options(eval_fraction: float, max_eval_tokens: int) -> None:
+    """One-line refusal of an evaluation fraction or token cap the split rule cannot use."""
+    if not 0 < eval_fraction < 0.5:
+        raise KHAError(f"the evaluation fraction must be between 0 and 0.5, got {eval_fraction}")
+    if not isinstance(max_eval_tokens, int) or max_eval_tokens < 1:
+        raise KHAError(f"the evaluation splits' token cap must be a positive integer, got {max_eval_tokens!r}")
+
+
+def load_corpus_tokenizer(tokenizer: str | Path):
+    """(the tokenizer TOKENIZER names, the number of ids it can give): its length, or its vocabulary's largest id
+    + 1 where that is more (a tokenizer.json may state fewer). One line when it has no EOS."""
+    from ..checkpoint.loading import load_tokenizer
+
+    gguf = Path(tokenizer).expanduser() if str(tokenizer).endswith(".gguf") else None
+    tok = load_tokenizer(gguf or tokenizer, None, gguf=gguf, offer_trust=False, offer_tokenizer=False)
+    if tok.eos_token_id is None:
+        raise KHAError(f"the tokenizer {tokenizer} has no EOS token: documents could not be told apart")
+    return tok, max(len(tok), max(tok.get_vocab().values(), default=0) + 1)
+
+
+def corpus_dtype(size: int) -> str:
+    """The token file's dtype for a tokenizer of SIZE ids: 2 bytes a token where they fit."""
+    return "uint16" if size <= 1 << 16 else "uint32"
+
+
+def save_corpus_tokenizer(tok, out: Path, final: Path) -> None:
+    try:
+        tok.save_pretrained(out / TOKENIZER_DIR)
+    except Exception as err:  # tokenizers' Rust writer raises a bare Exception ("File too large (os error 27)")
+        raise KHAError(f"cannot write the tokenizer into {final}: {err}") from err
+
+
+def corpus_manifest(tok, name: str, stream: CorpusStream, eval_fraction: float, max_eval_tokens: int) -> dict:
+    """The manifest of a corpus holding STREAM, without its skipped and sources records (the caller's): the
+    stream's last EVAL_FRACTION (at most MAX_EVAL_TOKENS) held out, the same before it for validation."""
+    written = stream.tokens
+    n_eval = min(max_eval_tokens, int(written * eval_fraction))
+    if n_eval < 1 or written - 2 * n_eval < 1:
+        raise KHAError(f"the sources hold {written} tokens: too few for a validation and a held-out split")
+    bounds = [0, written - 2 * n_eval, written - n_eval, written]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kha_hf_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "tokenizer": tokenizer_fingerprint(tok, name),
+        "dtype": stream.dtype,
+        "tokens": written,
+        "tokens_sha256": stream.sha256,
+        "chunk_bytes": CHUNK_BYTES,  # tokens.chunks: a digest a chunk, checked as blocks are read (data/chunks.py)
+        "chunks_sha256": stream.chunks_sha256,
+        "max_token_id": stream.max_token_id,
+        "documents": stream.documents,
+        "splits": {name: [bounds[i], bounds[i + 1]] for i, name in enumerate(SPLITS)},
+        "split_rule": f"the stream's last {eval_fraction:g} (at most {max_eval_tokens} tokens) held out, the "
+        "same before it for validation, in source order",
+    }
+
+
+def write_manifest(out: Path, manifest: dict) -> None:
+    """The manifest, written last: a folder without one is no corpus (`open_corpus`)."""
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+
+
+def write_chunk_digests(out: Path, digests: bytes) -> str:
+    """OUT/tokens.chunks holding DIGESTS (ChunkHasher.finish), synced; returns its sha256 for the manifest."""
+    with open(out / CHUNKS, "wb") as f:
+        f.write(digests)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(digests).hexdigest()
 
 
 def _write_tokens(
@@ -211,21 +265,18 @@ def _write_tokens(
                 drain_one()
             f.flush()
             os.fsync(f.fileno())
-        digests = chunks.finish()
-        with open(out / CHUNKS, "wb") as f:
-            f.write(digests)
-            f.flush()
-            os.fsync(f.fileno())
+        chunks_sha256 = write_chunk_digests(out, chunks.finish())
     except OSError as err:
         raise KHAError(f"cannot write the corpus to {out.parent}: {err.strerror or err}") from err
     finally:
         bar.close()
     if written == 0:
         raise KHAError("the sources hold no text to tokenize")
-    return written, max_id, digest.hexdigest(), hashlib.sha256(digests).hexdigest()
+    return written, max_id, digest.hexdigest(), chunks_sha256
 
 
-def _report(manifest: dict, final: Path) -> None:
+def report_corpus(manifest: dict, final: Path) -> None:
+    """The one line that says what a corpus folder FINAL holds."""
     skipped = {k: v for k, v in manifest["skipped"].items() if v}
     note = f"; skipped: {', '.join(f'{v} {k}' for k, v in skipped.items())}" if skipped else ""
     splits = ", ".join(f"{name} {end - start:,}" for name, (start, end) in manifest["splits"].items())

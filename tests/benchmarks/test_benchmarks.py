@@ -26,6 +26,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
         ("convert_memory.py", [], ["kha convert (copy)", "naive load-modify-save", "kha fold"]),
         ("cli_startup.py", [], ["ratio vs transformers --help", "kha train --help", "argument error"]),
         ("corpus_scale.py", [], ["in memory (`pack`, 1 core)", "peak RSS, large / small", "loader / training"]),
+        ("adopt_scale.py", [], ["| 64 MiB | hard link |", "peak RSS, large / small (--copy)"]),
     ],
 )
 def test_benchmark_quick_mode_reports(script, extra_args, expected):
