@@ -178,3 +178,46 @@ def call_with(func, args, *positional: str, **renamed: str):
     if unknown:
         raise TypeError(f"{func.__qualname__} has no parameter for the option(s) {', '.join(unknown)}")
     return func(*values, **options)
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number from 0 to 1 (a share of the run, of the peak learning rate)."""
+    value = _number(text, float, 0, True, "a number")
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}")
+    return value
+
+
+def add_schedule_arguments(p) -> None:
+    """`--lr-scheduler` and its numbers, `--eval-steps` and `--peak-flops`: what `kha train` and `kha ab` share
+    (training/schedules.py, training/throughput.py)."""
+    from ..training.schedules import SCHEDULES
+
+    group = p.add_argument_group("schedule, evaluation while training, throughput")
+    group.add_argument(
+        "--lr-scheduler",
+        choices=SCHEDULES,
+        default="cosine",
+        help="cosine: the paper's, to --min-lr-ratio 0.1 of the peak; wsd: warmup, stable, then the last "
+        "--decay-ratio (0.2) decayed to --min-lr-ratio (0); linear: to --min-lr-ratio (0); constant: the peak after "
+        "warmup (transformers' own schedulers)",
+    )
+    warmup = group.add_mutually_exclusive_group()
+    warmup.add_argument("--warmup-steps", type=bounded_int(MAX_STEPS, zero=True), help="linear warmup steps")
+    warmup.add_argument("--warmup-ratio", type=fraction, help="warmup as a share of the run (default: 0.05)")
+    group.add_argument("--min-lr-ratio", type=fraction, help="the floor of the decay, as a share of the peak")
+    group.add_argument("--decay-ratio", type=fraction, help="wsd: the share of the run spent decaying (default: 0.2)")
+    group.add_argument(
+        "--eval-steps",
+        type=bounded_int(MAX_STEPS),
+        metavar="N",
+        help="the loss on the validation split every N steps (never the held-out split), in trainer_state.json and "
+        "the run's validation.jsonl",
+    )
+    group.add_argument(
+        "--peak-flops",
+        type=positive_float,
+        metavar="FLOP/S",
+        help="one device's peak FLOP/s (e.g. 989e12: an H100's dense bf16): each log then records MFU beside the "
+        "model FLOP/s achieved",
+    )

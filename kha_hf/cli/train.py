@@ -7,6 +7,7 @@ from ._common import (
     MAX_BATCH,
     MAX_SEQ_LEN,
     MAX_STEPS,
+    add_schedule_arguments,
     bounded_int,
     call_with,
     non_negative_float,
@@ -64,7 +65,13 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=bounded_int(MAX_SEQ_LEN), default=256, help="tokens per training block")
     p.add_argument("--batch-size", type=bounded_int(MAX_BATCH), default=8, help="blocks per device and step")
     p.add_argument("--grad-accum", type=bounded_int(MAX_BATCH), default=1, help="gradient accumulation steps")
-    p.add_argument("--lr", type=non_negative_float, default=None, help="peak learning rate (default by mode)")
+    p.add_argument(
+        "--lr",
+        type=non_negative_float,
+        default=None,
+        help="peak learning rate (default: for new weights (a config or preset, --mode full) the preset's, e.g. "
+        "3e-3 for cpu-tiny; for a checkpoint its mode's: knocks 1e-3, lora 2e-4, full 5e-5); printed at the start",
+    )
     p.add_argument("--knock-lr", type=non_negative_float, default=None, help="separate learning rate for the knocks")
     p.add_argument("--bf16", action="store_true", help="train in bfloat16 mixed precision")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
@@ -119,6 +126,7 @@ def add_parser(sub) -> None:
         default=None,
         help="expert parallelism (MoE models) over this many of the launch's processes",
     )
+    add_schedule_arguments(p)
     p.set_defaults(func=run)
 
 

@@ -97,3 +97,21 @@ def check_with_deepspeed(path: Path, config: dict) -> None:
     else:
         return
     raise KHAError(f"the DeepSpeed config {path} is one DeepSpeed refuses: {reason[:300]}")
+
+
+class _NoCpuNotice:
+    """logging filter: drops DeepSpeed's "Setting accelerator to CPU" notice (deepspeed 0.19). accelerate 1.13 imports
+    DeepSpeed whenever it is installed (`extract_model_from_parallel`, on every Trainer), so a run that uses no
+    DeepSpeed printed it too; on a machine with no accelerator, CPU is what the run means."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("Setting accelerator to CPU")
+
+
+def quiet_deepspeed_cpu_notice() -> None:
+    """Add the filter once to DeepSpeed's logger (by name: DeepSpeed need not be imported, or installed)."""
+    import logging
+
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _NoCpuNotice) for f in logger.filters):
+        logger.addFilter(_NoCpuNotice())

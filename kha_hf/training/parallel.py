@@ -242,3 +242,9 @@ def build_sharded(build, model_class, plan: ParallelPlan, work: Path, **kwargs):
 
 def is_sharded(model) -> bool:
     return bool(getattr(model, "is_distributed_loading_by_transformers", False))
+
+
+def is_main_process() -> bool:
+    """Whether this is the run's first process (RANK 0 of an `accelerate launch` / torchrun run, or the only one):
+    the one that prints, read before any process group is set up."""
+    return os.environ.get("RANK", "0").strip() in ("0", "")

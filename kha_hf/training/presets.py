@@ -28,6 +28,7 @@ class Preset:
     active: int = 0
     expert_size: int = 0
     aux_loss: float = 0.001  # Qwen3-MoE's default router_aux_loss_coef
+    eval_blocks: int | None = None  # kha ab's held-out (and validation) blocks; None: all of raw text's
 
     def config(self):
         from transformers import Qwen3Config, Qwen3MoeConfig  # here: `kha ab --help` must not import transformers
@@ -59,6 +60,9 @@ class Preset:
 
 
 PRESETS = {
+    # a smoke test of the whole loop and every column of kha ab's table, in minutes on 2 CPU cores (its numbers mean
+    # nothing: 2 layers of width 64)
+    "cpu-smoke": Preset(64, 2, 4, 2, 16, 1024, 64, 4, 60, 3e-3, eval_blocks=64),
     # about 15 minutes for 3 seeds x 2 runs on 2 CPU cores
     "cpu-tiny": Preset(256, 4, 8, 2, 32, 4096, 256, 8, 300, 3e-3),
     # the paper's MoE shape scaled to a CPU: QK norm, 8 query heads per KV head (paper 32/4), 32 experts with 2

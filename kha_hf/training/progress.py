@@ -5,15 +5,24 @@ from __future__ import annotations
 from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback
 
-_SHOWN = {"learning_rate": "lr {:.2e}", "tokens_per_second": "{:,.0f} tok/s", "knock_distance": "knock distance {:.4f}"}
+_SHOWN = {
+    "learning_rate": "lr {:.2e}",
+    "tokens_per_second": "{:,.0f} tok/s",
+    "model_flops_per_second": "{:.3g} FLOP/s",
+    "mfu": "MFU {:.1%}",
+    "knock_distance": "knock distance {:.4f}",
+}
 
 
 def format_log(logs: dict, step: int, max_steps: int) -> str:
-    """One line: step, loss, learning rate, tokens/s and knock distance for training logs; held-out loss for evals."""
+    """One line: step, loss, learning rate, tokens/s, FLOP/s (MFU) and knock distance for training logs; the
+    validation or held-out loss for evaluations."""
     if "loss" in logs:
         parts = [f"step {step}/{max_steps}", f"loss {logs['loss']:.4f}"]
         parts += [shown.format(float(logs[key])) for key, shown in _SHOWN.items() if key in logs]
         return "  ".join(parts)
+    if "eval_validation_loss" in logs:  # --eval-steps: the validation split, while training
+        return f"step {step}/{max_steps}  validation loss {logs['eval_validation_loss']:.4f}"
     if "eval_loss" in logs:
         when = "before training" if max_steps == 0 else f"step {step}/{max_steps}"
         return f"{when}  held-out loss {logs['eval_loss']:.4f}"
@@ -30,7 +39,7 @@ def format_log(logs: dict, step: int, max_steps: int) -> str:
 
 
 class ReadableProgress(ProgressCallback):
-    """transformers' progress bars, labelled ("training", "held-out eval"), with readable log lines; without bars
+    """transformers' progress bars, labelled ("training", "evaluating"), with readable log lines; without bars
     (`disable_tqdm`) the lines alone."""
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -48,7 +57,7 @@ class ReadableProgress(ProgressCallback):
         if self.prediction_bar is None and eval_dataloader is not None and hasattr(eval_dataloader, "__len__"):
             self.prediction_bar = tqdm(
                 total=len(eval_dataloader),
-                desc="held-out eval",
+                desc="evaluating",
                 unit="batch",
                 leave=self.training_bar is None,
                 dynamic_ncols=True,

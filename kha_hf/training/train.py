@@ -28,6 +28,7 @@ from ..data.corpus import TOKENIZER_DIR
 from ..modeling.configuration_kha import SUPPORTED_BASE_MODEL_TYPES
 from ..modeling.modeling_kha import KHAForCausalLM
 from .corpus_data import (
+    MAX_PREPARED_EVAL_BLOCKS,
     check_resumed_record,
     check_vocabulary_fits,
     corpus_splits,
@@ -35,9 +36,17 @@ from .corpus_data import (
     run_record,
     write_run_record,
 )
-from .data import read_documents, train_heldout_split
-from .deepspeed_config import check_deepspeed_config
-from .from_config import check_model_fits, is_config_ref, kha_config_from, model_from_config, weight_bytes
+from .data import read_documents, train_heldout_split, train_validation_heldout_split
+from .deepspeed_config import check_deepspeed_config, quiet_deepspeed_cpu_notice
+from .from_config import (
+    check_model_fits,
+    is_config_ref,
+    kha_config_from,
+    model_from_config,
+    pretraining_lr,
+    stated_vocab_size,
+    weight_bytes,
+)
 from .guards import (
     StopOnNonFiniteLoss,
     check_batches,
@@ -52,6 +61,7 @@ from .parallel import (
     check_distributed_loading,
     check_plan_fits,
     hand_over_from_accelerate,
+    is_main_process,
     load_sharded,
     plan_from_launch,
     world_size,
@@ -59,9 +69,12 @@ from .parallel import (
 from .resume_files import TRAINER_STATE, check_checkpoint_files, check_run_entries, last_complete_checkpoint
 from .run_dir import run_output_dir
 from .run_state import check_resumed_layout
+from .schedules import Schedule
 from .spikes import SPIKE_MARGIN, check_spike_margin
 from .stability import STABILITY_FILE, iter_stability_lines, stability_metrics
+from .throughput import parameter_line
 from .trainer import CheckpointCodeCallback, KHATrainer
+from .validation_log import VALIDATION_FILE, ValidationRecord
 
 
 @dataclass
@@ -172,6 +185,13 @@ def train(
     spike_margin: float = SPIKE_MARGIN,
     tp_size: int | None = None,
     ep_size: int | None = None,
+    lr_scheduler: str = "cosine",
+    warmup_steps: int | None = None,
+    warmup_ratio: float | None = None,
+    min_lr_ratio: float | None = None,
+    decay_ratio: float | None = None,
+    eval_steps: int | None = None,
+    peak_flops: float | None = None,
 ) -> TrainResult:
     """Train MODEL_PATH (a KHA checkpoint, or a config or preset: new weights) and save it to OUTPUT_DIR.
 
@@ -181,14 +201,24 @@ def train(
     Under `accelerate launch` with an FSDP2 config, or with TP_SIZE / EP_SIZE, transformers shards the model at load
     time (training/parallel.py) on CPUs and GPUs alike, and kha saves what an exact resume needs (run_state.py).
 
+    LR: the peak learning rate; by default the mode's (a checkpoint), or for new weights (a config or preset with
+    --mode full) the preset's (`from_config.pretraining_lr`). LR_SCHEDULER and its numbers: training/schedules.py
+    (the paper's cosine by default). EVAL_STEPS: the validation split's loss every N steps (trainer_state.json,
+    OUTPUT/validation.jsonl). PEAK_FLOPS: one device's peak, for the MFU in each log (training/throughput.py).
+
     OUTPUT_DIR follows the rules of `kha convert`: never the model, a folder holding it, the working directory, home,
     a root or a folder inside the data; an existing one only with `overwrite` (or `resume`). The run works in a
     temporary sibling that becomes OUTPUT_DIR when the model is saved, so an interrupted run or save leaves any
     earlier OUTPUT_DIR as it was; an interrupted run with checkpoints is kept for `resume`.
     """
     check_training_numbers(
-        max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, logit_every=logit_every
-    )
+        max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, logit_every=logit_every,
+        eval_steps=eval_steps,
+    )  # fmt: skip
+    schedule = Schedule(lr_scheduler, warmup_steps, warmup_ratio, min_lr_ratio, decay_ratio)
+    schedule_args = schedule.training_arguments(max_steps)  # a choice that does not apply: refused before any work
+    if peak_flops is not None and not 0 < peak_flops < float("inf"):
+        raise KHAError(f"peak_flops must be a positive number of FLOP/s, got {peak_flops}")
     try:
         spike_margin = check_spike_margin(spike_margin)
     except ValueError as err:
@@ -239,6 +269,8 @@ def train(
             )
         tokenizer = load_tokenizer(tokenizer or corpus.folder / TOKENIZER_DIR, None, offer_trust=False)
         config = kha_config_from(model_path, knock, len(tokenizer))
+        for key in ("bos_token_id", "eos_token_id"):  # the tokenizer's, as transformers would align
+            setattr(config, key, getattr(tokenizer, key, None))  # them with a warning at the first save otherwise
         check_positions(config, seq_len)
         # counted on the meta device before the training arguments exist: under ZeRO-3 they make every model build
         # partitioned (deepspeed.zero.Init), the meta device's included
@@ -247,10 +279,19 @@ def train(
         tokenizer = load_tokenizer(model_path, tokenizer, offer_trust=False)
         if local_checkpoint is not None:  # a Hub id is checked once loaded
             check_positions(local_checkpoint.config, seq_len)
+    validation_set = None  # with eval_steps: evaluated while training; the held-out split only at the end
     if corpus is not None:
         train_set, heldout_set = corpus_splits(corpus, tokenizer, seq_len, max_eval_blocks)
+        if eval_steps:
+            validation_set = corpus.blocks("validation", seq_len, max_eval_blocks or MAX_PREPARED_EVAL_BLOCKS)
+    elif eval_steps:  # raw text: the validation split is cut from before the held-out tail (which stays the same)
+        train_set, validation_set, heldout_set = train_validation_heldout_split(
+            documents, tokenizer, seq_len, max_eval_blocks=max_eval_blocks
+        )
     else:
         train_set, heldout_set = train_heldout_split(documents, tokenizer, seq_len, max_heldout_blocks=max_eval_blocks)
+    if validation_set is not None and len(validation_set) == 0:
+        raise KHAError(f"the validation split holds less than one block of {seq_len} tokens: --eval-steps has nothing")
     # 0 steps is an error, before the model is loaded
     check_batches(len(train_set), batch_size, plan.data_parallel_size if plan else world_size())
     known_config = config if from_config else getattr(local_checkpoint, "model_config", None)
@@ -262,14 +303,22 @@ def train(
     # before the model: under DeepSpeed ZeRO-3 (accelerate launch) the arguments switch transformers to build it
     # partitioned across ranks (deepspeed.zero.Init), as from_pretrained and from_config then do
     check_deepspeed_config()  # what accelerate hands this process: blocks that write elsewhere or end the run
+    quiet_deepspeed_cpu_notice()
     hand_over_from_accelerate(plan)  # transformers shards the model: accelerate's FSDP plugin must not wrap it again
+    if lr is None:  # new weights train at the preset's rate; a checkpoint at its mode's fine-tuning rate
+        lr, origin = pretraining_lr(model_path, config) if from_config else (DEFAULT_LR[mode], f"--mode {mode}'s")
+        origin += " default; --lr sets another"
+    else:
+        origin = "--lr"
+    if is_main_process():
+        print(f"learning rate {lr:g} ({origin}); schedule {schedule.describe(max_steps)}")
     args = paper_training_arguments(
         output_dir,  # replaced by the run's working folder below
         max_steps=max_steps,
         per_device_train_batch_size=batch_size,
         per_device_eval_batch_size=batch_size,
         gradient_accumulation_steps=grad_accum,
-        learning_rate=lr if lr is not None else DEFAULT_LR[mode],
+        learning_rate=lr,
         bf16=bf16,
         activation_checkpointing=gradient_checkpointing,  # the current name (transformers >= 5.24)
         save_steps=save_steps or max(1, max_steps // 2),
@@ -280,6 +329,9 @@ def train(
         disable_tqdm=disable_tqdm,
         # Trainer checkpoints no optimizer of a model sharded at load time: kha's run state does (run_state.py)
         save_only_model=plan is not None,
+        eval_strategy="steps" if eval_steps else "no",
+        eval_steps=eval_steps,
+        **schedule_args,
     )
     build = None  # new weights under a parallel layout: built inside the run's working folder (below)
     if plan is not None and checkpoint is not None:  # the weights come sharded from the checkpoint itself
@@ -293,11 +345,14 @@ def train(
     if not from_config:
         check_positions(model.config, seq_len)
     model_config = config if build is not None else model.config
+    evaluated = [s for s in (heldout_set, validation_set) if s is not None]
     if corpus is not None:
-        check_vocabulary_fits(corpus, model_config.get_text_config().vocab_size, train_set, heldout_set)
+        check_vocabulary_fits(corpus, model_config.get_text_config().vocab_size, train_set, *evaluated)
     elif known_config is None:  # a Hub id: its vocabulary is known once loaded
         check_token_ids(train_set, heldout_set, model_config)
-    print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq_len} tokens")
+    validation_note = f" / {len(validation_set)} validation" if validation_set is not None else ""
+    if is_main_process():  # one line a run, not a rank
+        print(f"data: {len(train_set)} train{validation_note} / {len(heldout_set)} held-out blocks of {seq_len} tokens")
     if build is None:
         check_lora_rank(model, lora_r, mode)
     if not from_config:
@@ -306,30 +361,39 @@ def train(
 
     if build is None:
         model = prepare_for_mode(model, mode, lora_r=lora_r)
+    main = is_main_process()  # one line per run, not per rank
     with run_output_dir(output_dir, replace, args, adopt=adopt) as work:
         if build is not None:  # built once and loaded as a checkpoint is, each rank its shard (training/parallel.py)
             model = prepare_for_mode(build_sharded(build, KHAForCausalLM, plan, work, dtype=dtype), mode)
+        if main:
+            print(model_line(model, tokenizer, model_path if from_config else None))
         trainer = KHATrainer(
             model=model,
             args=args,
             train_dataset=train_set,
-            eval_dataset=heldout_set,
+            eval_dataset={"validation": validation_set} if validation_set is not None else heldout_set,
             processing_class=tokenizer,
             data_collator=default_data_collator,  # blocks are all seq_len long: nothing to pad, no pad token needed
             callbacks=[CheckpointCodeCallback(), StopOnNonFiniteLoss()],
             knock_lr=knock_lr,
             stability_every=logit_every or max(1, max_steps // 50),
             plan=plan,
+            seq_len=seq_len,
+            peak_flops=peak_flops,
         )
+        trainer.fit_eval_batch(heldout_set)  # evaluated at the end, beside the validation split
         resumed_at = int(Path(checkpoint).name.rpartition("-")[2]) if checkpoint else None  # checkpoint-N
         trainer.resumed_from_step = resumed_at or 0
         if trainer.is_world_process_zero():
             write_run_record(work, record)  # what --resume checks: the same corpus, seed and block length
-            if checkpoint and adopt is None and (output_dir / STABILITY_FILE).is_file():
-                # a finished run resumed: its record goes on (steps past the checkpoint are dropped just below)
-                shutil.copyfile(output_dir / STABILITY_FILE, work / STABILITY_FILE)
+            for record_file in (STABILITY_FILE, VALIDATION_FILE):
+                if checkpoint and adopt is None and (output_dir / record_file).is_file():
+                    # a finished run resumed: its record goes on (steps past the checkpoint are dropped just below)
+                    shutil.copyfile(output_dir / record_file, work / record_file)
             trainer.stability.append_to(work / STABILITY_FILE, resumed_at)  # per step: loss, norms, lr, logits
-        before = trainer.evaluate()["eval_loss"] if eval_before else None
+        if validation_set is not None:
+            trainer.add_callback(ValidationRecord(work / VALIDATION_FILE, resumed_at, trainer.is_world_process_zero()))
+        before = trainer.evaluate(heldout_set)["eval_loss"] if eval_before else None
         try:
             output = trainer.train(resume_from_checkpoint=checkpoint)
         except pickle.UnpicklingError as err:  # torch.load(weights_only=True) refused an object: nothing ran
@@ -339,8 +403,9 @@ def train(
         except (OSError, CheckpointException) as err:  # a checkpoint that could not be written (a full disk)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise KHAError(f"training stopped on a file error (a checkpoint in {work}?): {first[:300]}") from err
-        metrics = trainer.evaluate()
+        metrics = trainer.evaluate(heldout_set)
         heldout = metrics["eval_loss"]
+        trainer.save_state()  # trainer_state.json: the whole log history (validation losses included)
         output = output._replace(training_loss=output.metrics["train_loss"])  # the whole run's (KHATrainer.log)
         check_training_result(output.global_step, output.training_loss, heldout, model)  # keeps no bad model
         if trainer.is_world_process_zero():
@@ -348,7 +413,6 @@ def train(
         trainer.save_metrics("train", output.metrics)  # train_results.json, eval_results.json: as HF's examples do
         trainer.save_metrics("eval", metrics)
         adapter_dir = None
-        main = trainer.is_world_process_zero()  # one line per run, not per rank
         if main:
             print(f"saving the trained model to {output_dir}")
         try:
@@ -374,6 +438,19 @@ def train(
     return TrainResult(
         output_dir, output.training_loss, heldout, output.global_step, trainer.state.log_history, adapter_dir, before
     )
+
+
+def model_line(model, tokenizer, config_ref=None) -> str:
+    """'model: 12.9M parameters (...); vocabulary 49,152 from the tokenizer ./tok (cpu-tiny states 4,096)': the
+    model as built, and where its vocabulary came from (new weights take the tokenizer's, whatever CONFIG_REF
+    states)."""
+    vocab = model.config.get_text_config().vocab_size
+    name = getattr(tokenizer, "name_or_path", "") or "the run's"
+    if config_ref is None:
+        return f"model: {parameter_line(model)}; vocabulary {vocab:,} (the checkpoint's)"
+    stated = stated_vocab_size(config_ref)
+    note = f"; {config_ref} states {stated:,}" if stated is not None and stated != vocab else ""
+    return f"model: {parameter_line(model)}; vocabulary {vocab:,} from the tokenizer {name}{note}"
 
 
 def _load(source, dtype, plan):

@@ -17,6 +17,7 @@ from .params import is_knock_parameter, knock_distance_from_init, optimizer_para
 from .progress import use_readable_progress
 from .run_state import load_run_state, save_run_state, save_sharded_model
 from .stability import StabilityLog, gradient_norm, stability_callback, stop_probing
+from .throughput import flops_per_token, throughput_logs
 
 
 class KHATrainer(Trainer):
@@ -39,7 +40,14 @@ class KHATrainer(Trainer):
     """
 
     def __init__(
-        self, *args, knock_lr: float | None = None, stability_every: int | None = None, plan=None, **kwargs
+        self,
+        *args,
+        knock_lr: float | None = None,
+        stability_every: int | None = None,
+        plan=None,
+        seq_len: int | None = None,
+        peak_flops: float | None = None,
+        **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
         # a model sharded at load time (training/parallel.py): kha saves and restores what Trainer does not
@@ -48,24 +56,30 @@ class KHATrainer(Trainer):
         self.stability = None if stability_every is None else StabilityLog(stability_every)
         if self.stability is not None:
             self.add_callback(stability_callback(self))
-        self._fit_eval_batch_to_eval_set()
+        self.fit_eval_batch()
         use_readable_progress(self)  # a step bar and one line per log, not raw dicts
         self.add_callback(RankChecks(self))  # knocks at their start, out of weight decay and alike at the end
         self.knock_lr = knock_lr
         self.resumed_from_step = 0  # the checkpoint's step when train() resumes one (set by kha train)
         self._last_log = (time.perf_counter(), 0)
         self._knocks_train = any(p.requires_grad and is_knock_parameter(n) for n, p in self.model.named_parameters())
+        # model FLOPs a token (training/throughput.py): every training log records the FLOP/s, and MFU with a peak
+        self._flops_token = flops_per_token(self.model, seq_len) if seq_len else None
+        self.peak_flops = peak_flops
 
-    def _fit_eval_batch_to_eval_set(self) -> None:
+    def fit_eval_batch(self, *also) -> None:
+        """Shrink the evaluation batch to the smallest evaluation set (the trainer's, each of a dict of them, and
+        ALSO: sets evaluated later by `evaluate(eval_dataset=...)`)."""
         # The paper's arguments drop incomplete batches (`dataloader_drop_last`, so DDP ranks see equal batches),
         # and Trainer applies that to evaluation too: a held-out set smaller than one batch would give no batch and
         # no eval_loss at all (transformers 5.24). Shrink the eval batch to what the set holds.
-        eval_set = self.eval_dataset
-        if eval_set is None or not hasattr(eval_set, "__len__") or isinstance(eval_set, dict):
-            return
-        per_device = max(1, len(eval_set) // max(1, self.args.world_size))
-        if self.args.per_device_eval_batch_size > per_device:
-            self.args.per_device_eval_batch_size = per_device
+        sets = list(self.eval_dataset.values()) if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        for eval_set in [*sets, *also]:
+            if eval_set is None or not hasattr(eval_set, "__len__"):
+                continue
+            per_device = max(1, len(eval_set) // max(1, self.args.world_size))
+            if self.args.per_device_eval_batch_size > per_device:
+                self.args.per_device_eval_batch_size = per_device
 
     def _get_train_sampler(self, *args, **kwargs):
         # A prepared corpus's blocks go in one global order computed from the seed (data.order): constant memory
@@ -128,6 +142,18 @@ class KHATrainer(Trainer):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         # kha train loaded the checkpoint's weights into the sharded model already (parallel.load_sharded)
 
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # A tied output head is saved once, as the embedding (safetensors keeps one of tensors that share memory),
+        # and Trainer forgives only `_keys_to_ignore_on_save`, empty for tied heads in transformers 5.16.1-5.25: every
+        # resume of a tied model warned "missing keys ['lm_head.weight']" for a weight that is loaded, as the
+        # embedding it is. Only names of a parameter that another name also holds are forgiven here.
+        names: dict[int, list[str]] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        tied = {name for group in names.values() if len(group) > 1 for name in group}
+        missing = [key for key in load_result.missing_keys if key not in tied]
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if self.plan is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
@@ -159,7 +185,10 @@ class KHATrainer(Trainer):
             now, tokens = time.perf_counter(), int(self.state.num_input_tokens_seen or 0)
             last_time, last_tokens = self._last_log
             if tokens > last_tokens and now > last_time:
-                logs["tokens_per_second"] = round((tokens - last_tokens) / (now - last_time), 1)
+                rate = (tokens - last_tokens) / (now - last_time)  # every process's tokens (Trainer gathers them)
+                logs["tokens_per_second"] = round(rate, 1)
+                if self._flops_token:
+                    logs.update(throughput_logs(rate, self._flops_token, self.peak_flops, self.args.world_size))
             self._last_log = (now, tokens)
         if "train_runtime" in logs and self.stability is not None:  # the end of train(): the whole run's summary
             # Trainer's train_loss covers the steps this process ran (transformers 5.25; 5.16 divides their sum by

@@ -105,7 +105,7 @@ def test_progress_bars_are_labelled(corpus, kha_dir, tmp_path, capsys):
     steps = dict(STEPS, disable_tqdm=False)
     train(kha_dir, tmp_path / "bars", data=[str(data)], mode="knocks", max_steps=2, eval_before=True, **steps)
     err = capsys.readouterr().err
-    assert "training: " in err and "held-out eval: " in err, err[-2000:]
+    assert "training: " in err and "evaluating: " in err, err[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["knocks", "lora"])
