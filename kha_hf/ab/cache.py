@@ -91,6 +91,7 @@ def read_run(path: Path, max_bytes: int, arm: str, seed: int, steps: int | None 
             if not isinstance(data[name], list):
                 raise ValueError(f"{name}: not a list of block losses")
             fields[name] = [_number(x, name, True) for x in data[name]]
+    fields["validation_curve"] = _validation_curve(data["validation_curve"])
     count = data["trainable_parameters"]
     if (count is not None or "trainable_parameters" in required) and (type(count) is not int or count < 0):
         raise TypeError("trainable_parameters is not a count")
@@ -98,6 +99,17 @@ def read_run(path: Path, max_bytes: int, arm: str, seed: int, steps: int | None 
     if stability is not None and (not isinstance(stability, list) or not all(map(is_stability_row, stability))):
         raise ValueError("its per-step records are not rows of kha ab's")
     return ArmRun(**fields)
+
+
+def _validation_curve(points) -> list[tuple[int, float]] | None:
+    """A kept run's (step, validation loss) points, or None where it evaluated nothing while training."""
+    if points is None:
+        return None
+    if not isinstance(points, list) or not all(
+        isinstance(p, list) and len(p) == 2 and type(p[0]) is int for p in points
+    ):
+        raise ValueError("its validation curve is not (step, loss) points")
+    return [(step, _number(loss, "a validation loss", True)) for step, loss in points]
 
 
 def _number(value, name: str, required: bool) -> float | None:

@@ -9,7 +9,8 @@ from ..modeling.configuration_kha import DEFAULT_KNOCK
 from .options import check_mode
 
 SCRATCH_ARGS = ("knock", "output", "max_steps", "seq_len", "batch_size", "lr", "data", "seed", "seeds", "bf16")
-SCRATCH_ARGS += ("overwrite", "variants", "logit_every", "spike_margin", "save_models")
+SCRATCH_ARGS += ("overwrite", "variants", "logit_every", "spike_margin", "save_models", "max_eval_blocks", "eval_steps")
+SCRATCH_ARGS += ("lr_scheduler", "warmup_steps", "warmup_ratio", "min_lr_ratio", "decay_ratio", "peak_flops")
 SIZES = ("max_steps", "seq_len", "batch_size")
 
 

@@ -25,9 +25,10 @@ from ..checkpoint.paths import check_run_destination, is_training_run
 from ..common.errors import KHAError
 from ..data.corpus import TOKENIZER_DIR
 from ..modeling.modeling_kha import KHAForCausalLM
-from ..training.corpus_data import corpus_splits, prepared_corpus
-from ..training.data import read_documents, train_heldout_split
+from ..training.corpus_data import MAX_PREPARED_EVAL_BLOCKS, corpus_splits, prepared_corpus
+from ..training.data import read_documents, train_heldout_split, train_validation_heldout_split
 from ..training.presets import PRESETS
+from ..training.schedules import Schedule
 from ..training.spikes import SPIKE_MARGIN, check_spike_margin
 from ..training.tokenizer import train_bpe_tokenizer
 from ..training.train import check_training_numbers
@@ -72,6 +73,14 @@ def ab(
     logit_every: int | None = None,
     spike_margin: float = SPIKE_MARGIN,
     save_models: bool = False,
+    max_eval_blocks: int | None = None,
+    eval_steps: int | None = None,
+    lr_scheduler: str = "cosine",
+    warmup_steps: int | None = None,
+    warmup_ratio: float | None = None,
+    min_lr_ratio: float | None = None,
+    decay_ratio: float | None = None,
+    peak_flops: float | None = None,
 ) -> dict:
     """Run the A/B for SEEDS seeds (SEED, SEED+1, ...) and return the summary (also OUTPUT/summary.json).
 
@@ -80,8 +89,14 @@ def ab(
     twin. LOGIT_EVERY: steps between attention-logit measurements (default: 50 per run). SPIKE_MARGIN: see
     `stability.spike_steps`. SAVE_MODELS: keep every trained model (OUTPUT/models/ARM-seedN, with the tokenizer), for
     `kha eval`. OUTPUT appears when the run is complete; an existing one is replaced only with `overwrite`.
+    MAX_EVAL_BLOCKS: held-out (and validation) blocks evaluated (default: all of raw text's, 256 of a prepared
+    corpus's). EVAL_STEPS: the validation split's loss every N steps (each run's curve in summary.json).
+    LR_SCHEDULER and its numbers: training/schedules.py. PEAK_FLOPS: one device's peak, for the MFU in the logs.
     """
-    check_training_numbers(max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, seeds=seeds)
+    check_training_numbers(
+        max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, seeds=seeds, max_eval_blocks=max_eval_blocks,
+        eval_steps=eval_steps,
+    )  # fmt: skip
     if lr is not None and not lr >= 0:
         raise KHAError(f"lr must be >= 0, got {lr}")
     try:
@@ -92,7 +107,10 @@ def ab(
     preset = PRESETS.get(base, PRESETS["cpu-tiny"])
     config = _base_config(base)
     steps, seq, batch = max_steps or preset.max_steps, seq_len or preset.seq_len, batch_size or preset.batch_size
+    max_eval_blocks = max_eval_blocks or preset.eval_blocks
     check_training_numbers(logit_every=logit_every)
+    schedule = Schedule(lr_scheduler, warmup_steps, warmup_ratio, min_lr_ratio, decay_ratio)
+    schedule.training_arguments(steps)  # a choice that does not apply: refused before any data is read
     every = logit_every or max(1, steps // 50)
     final = check_run_destination(output, [base], data, overwrite)
     _check_twins_fit(config, twins)
@@ -100,12 +118,21 @@ def ab(
     if corpus is not None:  # read lazily; every arm of every seed sees the same global order of its blocks
         tokenizer = load_tokenizer(corpus.folder / TOKENIZER_DIR, None, offer_trust=False)
         config.vocab_size = len(tokenizer)
-        train_set, heldout_set = corpus_splits(corpus, tokenizer, seq)
+        train_set, heldout_set = corpus_splits(corpus, tokenizer, seq, max_eval_blocks)
+        validation_set = corpus.blocks("validation", seq, max_eval_blocks or MAX_PREPARED_EVAL_BLOCKS)
     else:  # raw text, checked by prepared_corpus to fit in memory
         documents = read_documents(data)
         tokenizer = train_bpe_tokenizer(documents, config.vocab_size)
         config.vocab_size = len(tokenizer)
-        train_set, heldout_set = train_heldout_split(documents, tokenizer, seq)
+        if eval_steps:  # the validation split comes from before the held-out tail, which stays the same
+            train_set, validation_set, heldout_set = train_validation_heldout_split(
+                documents, tokenizer, seq, max_eval_blocks=max_eval_blocks
+            )
+        else:
+            train_set, heldout_set = train_heldout_split(documents, tokenizer, seq, max_heldout_blocks=max_eval_blocks)
+            validation_set = None
+    if eval_steps and len(validation_set) == 0:
+        raise KHAError(f"the validation split holds less than one block of {seq} tokens: --eval-steps has nothing")
     lr = lr if lr is not None else preset.lr
     settings = {
         "config": config.to_dict(),
@@ -118,10 +145,14 @@ def ab(
         "data": data_fingerprint(data, len(train_set), len(heldout_set)),
         "kha_knock": knock if variants is None else None,  # the one twin's arm is "kha": its knock is a setting
         "save_models": save_models,
+        "schedule": schedule.training_arguments(steps),
+        "eval_steps": eval_steps,
     }
     settings["config"].pop("transformers_version", None)
     adopt = interrupted_run(final, settings)
-    print(f"data: {len(train_set)} train / {len(heldout_set)} held-out blocks of {seq} tokens")
+    validation_note = f" / {len(validation_set)} validation" if eval_steps else ""
+    print(f"data: {len(train_set)} train{validation_note} / {len(heldout_set)} held-out blocks of {seq} tokens")
+    print(f"learning rate {lr:g}; schedule {schedule.describe(steps)}")
 
     kept_hint = "the same kha ab command again reuses its finished runs"
     with atomic_output_dir(
@@ -132,7 +163,8 @@ def ab(
         train = dict(
             train_set=train_set, heldout_set=heldout_set, steps=steps, batch_size=batch, lr=lr, measure_before=False,
             disable_tqdm=disable_tqdm, logging_steps=logging_steps or max(1, steps // 50), bf16=bf16,
-            stability_every=every,
+            stability_every=every, schedule=schedule, eval_steps=eval_steps,
+            validation_set=validation_set if eval_steps else None, peak_flops=peak_flops,
         )  # fmt: skip
         save = (output / MODELS_DIR, tokenizer) if save_models else None  # with --save-models
         runs = _train_arms(config, twins, seed, seeds, output, train, save)

@@ -61,15 +61,11 @@ def write_report(
     write_json(output / "summary.json", summary)
     title = f"from-scratch A/B: baseline vs KHA ({knock})" if variants is None else "from-scratch ablation"
     plot_mean_curves(runs, output / "loss_curves.png", title, stability)
+    names = ["kha"] if variants is None else [v.name for v in variants]
+    print(per_seed_table(runs, ["baseline", *names]))
+    print(comparison_table(summary, names if variants is not None else None))
     if variants is None:
-        print(f"{'seed':>6} {'baseline':>10} {'KHA':>10} {'Δ':>9}   (held-out loss)")
-        for row in comparison["per_seed"]:
-            print(
-                f"{row['seed']:>6} {row['baseline_heldout']:>10.4f} {row['kha_heldout']:>10.4f} {row['delta']:>+9.4f}"
-            )
         print_comparison(comparison)
-    else:
-        print(ablation_table(summary))
     arms = stability["arms"]
     spikes = ", ".join(f"{arm} {entry['spikes_mean']:.1f}" for arm, entry in arms.items())
     print(f"loss spikes per run (mean over seeds): {spikes}")
@@ -78,28 +74,58 @@ def write_report(
     return summary
 
 
-def ablation_table(summary: dict) -> str:
-    """The paper's ablation layout from a variants summary: one row per variant."""
+def per_seed_table(runs: list[ArmRun], arms: list[str]) -> str:
+    """Each seed's held-out loss for every arm: the values the intervals below are computed from."""
+    by_run = {(r.arm, r.seed): r.heldout_loss for r in runs}
+    width = max(10, *(len(arm) for arm in arms))
+    lines = ["held-out loss per seed", f"{'seed':>6} " + " ".join(f"{arm:>{width}}" for arm in arms)]
+    for seed in sorted({r.seed for r in runs}):
+        cells = (by_run.get((arm, seed)) for arm in arms)
+        lines.append(f"{seed:>6} " + " ".join(f"{'-' if v is None else f'{v:.4f}':>{width}}" for v in cells))
+    return "\n".join(lines)
+
+
+def comparison_table(summary: dict, variants: list[str] | None = None) -> str:
+    """The comparison with the baseline, one row an arm: its mean held-out loss, Δ = arm − baseline (negative: the
+    arm's loss is lower) with its 95 % t-interval and degrees of freedom, spikes and the largest gradient norm as
+    baseline → arm (means over seeds), and with VARIANTS the paper's Δ."""
     stability = summary["stability"]["arms"]
     base = stability.get("baseline", {})
-    seeds = len(summary["seeds"])
+    arms = summary["arms"]
+    entries = {"kha": summary} if variants is None else summary["variants"]
+    paper = f"  paper Δ ({summary['paper_setting']})" if variants is not None else ""
     lines = [
-        f"{'variant':<16} {'Δ held-out loss [95 % CI], ' + str(seeds) + ' seeds':<38} {'spikes (base→var)':<18} "
-        f"{'max grad norm':<14} paper Δ ({summary['paper_setting']})"
+        f"held-out loss, mean over {len(summary['seeds'])} seed(s); Δ = arm − baseline (negative: lower loss than "
+        "the baseline)",
+        f"{'arm':<16} {'loss':>8} {'Δ':>8}  {'95 % CI (t)':<28} {'spikes':<12} {'max grad norm':<16}{paper}",
+        f"{'baseline':<16} {arms['baseline']['heldout_loss_mean']:>8.4f}",
     ]
-    for name, entry in summary["variants"].items():
-        interval = entry["ci95"]
-        ci = "[no interval]" if interval is None else f"[{interval[0]:+.4f}, {interval[1]:+.4f}]"
+    for name, entry in entries.items():
         arm = stability.get(name, {})
         spikes = f"{base.get('spikes_mean', 0):.1f} → {arm.get('spikes_mean', 0):.1f}"
-        norm = arm.get("max_grad_norm_mean")
-        paper = entry["paper_delta"]
-        paper_text = "higher (no number)" if paper is None and name.endswith("_random") else _signed(paper)
-        lines.append(
-            f"{name:<16} {entry['delta_mean']:+.4f} {ci:<30} {spikes:<18} "
-            f"{'-' if norm is None else f'{norm:.3g}':<14} {paper_text}"
+        norms = f"{_short(base.get('max_grad_norm_mean'))} → {_short(arm.get('max_grad_norm_mean'))}"
+        row = (
+            f"{name:<16} {arms[name]['heldout_loss_mean']:>8.4f} {entry['delta_mean']:>+8.4f}  "
+            f"{_interval(entry):<28} {spikes:<12} {norms:<16}"
         )
+        if variants is not None:
+            value = entry["paper_delta"]
+            row += "  " + ("higher (no number)" if value is None and name.endswith("_random") else _signed(value))
+        lines.append(row.rstrip())
     return "\n".join(lines)
+
+
+def _interval(entry: dict) -> str:
+    """'[-0.0400, -0.0042] df 2' or why there is none."""
+    df = entry["n_seeds"] - 1
+    if entry["ci95"] is None:
+        return "none: one seed" if df < 1 else "none: no spread"
+    low, high = entry["ci95"]
+    return f"[{low:+.4f}, {high:+.4f}] df {df}"
+
+
+def _short(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
 
 
 def _signed(value: float | None) -> str:
@@ -127,7 +153,10 @@ def arm_summary(runs: list[ArmRun]) -> dict:
     arms: dict[str, dict] = {}
     for run in runs:
         numbers = ("seed", "train_loss", "heldout_loss", "heldout_before")
-        arms.setdefault(run.arm, {"per_seed": []})["per_seed"].append({name: getattr(run, name) for name in numbers})
+        entry = {name: getattr(run, name) for name in numbers}
+        if run.validation_curve is not None:  # --eval-steps: (step, validation loss) while training
+            entry["validation_curve"] = [list(point) for point in run.validation_curve]
+        arms.setdefault(run.arm, {"per_seed": []})["per_seed"].append(entry)
     for entry in arms.values():
         losses = [p["heldout_loss"] for p in entry["per_seed"]]
         entry["heldout_loss_mean"] = sum(losses) / len(losses)
@@ -140,7 +169,9 @@ def print_comparison(comparison: dict) -> None:
         shown = "no interval (" + ("one seed; use --seeds 3 or more)" if comparison["n_seeds"] < 2 else "no spread)")
     else:
         verdict = "excludes 0" if comparison["excludes_zero"] else "includes 0: no significant difference"
-        shown = f"95 % CI [{interval[0]:+.4f}, {interval[1]:+.4f}] ({verdict})"
+        df = comparison["n_seeds"] - 1
+        freedom = f"t, {df} degree{'s' * (df != 1)} of freedom"
+        shown = f"95 % CI [{interval[0]:+.4f}, {interval[1]:+.4f}] ({freedom}; {verdict})"
     print(
         f"Δ held-out ({comparison['arm']} − {comparison['control']}) over {comparison['n_seeds']} seed(s): "
         f"{comparison['delta_mean']:+.4f}, {shown}"

@@ -20,6 +20,7 @@ from ._common import (
     MAX_BATCH,
     MAX_SEQ_LEN,
     MAX_STEPS,
+    add_schedule_arguments,
     bounded_int,
     non_negative_float,
     positive_float,
@@ -102,6 +103,12 @@ def add_parser(sub) -> None:
         "--seeds", type=bounded_int(1000), default=5, help="how many seeds: a 95 %% interval needs 2 or more"
     )
     p.add_argument("--bf16", action="store_true", help="train in bfloat16 mixed precision")
+    p.add_argument(
+        "--max-eval-blocks",
+        type=bounded_int(MAX_STEPS),
+        help="held-out (and validation) blocks evaluated per run (default: raw text's all, a prepared corpus's 256)",
+    )
+    add_schedule_arguments(p)
     cont = p.add_argument_group("continued training from a real checkpoint (--from)")
     cont.add_argument(
         "--from",

@@ -31,8 +31,9 @@ def test_one_baseline_and_every_variant_on_the_same_start(setup, tmp_path, capsy
     argv = [*setup, "--variants", "mlp_v,gate_v,mlp_qkv,mlp_v_random", "--output", str(out), "--save-models"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    header = next(line for line in printed.splitlines() if line.startswith("variant"))
-    assert "Δ held-out loss [95 % CI], 2 seeds" in header and "paper Δ (A0.8B-6.6B MoE, 75B tokens)" in header
+    header = next(line for line in printed.splitlines() if line.startswith("arm "))
+    assert "95 % CI (t)" in header and "paper Δ (A0.8B-6.6B MoE, 75B tokens)" in header
+    assert "Δ = arm − baseline (negative: lower loss than the baseline)" in printed
     rows = {
         line.split()[0]: line
         for line in printed.splitlines()
@@ -40,6 +41,24 @@ def test_one_baseline_and_every_variant_on_the_same_start(setup, tmp_path, capsy
     }
     assert rows["mlp_v"].endswith("-0.024") and rows["gate_v"].endswith("+0.063")
     assert rows["mlp_v_random"].endswith("higher (no number)")
+    summary_now = json.loads((out / "summary.json").read_text())
+    for name, row in rows.items():  # each row: the arm's loss, Δ, its interval with df, base → arm spikes and norms
+        entry, arms = summary_now["variants"][name], summary_now["stability"]["arms"]
+        assert row.split()[1:3] == [
+            f"{summary_now['arms'][name]['heldout_loss_mean']:.4f}",
+            f"{entry['delta_mean']:+.4f}",
+        ]
+        assert "df 1" in row or "none: no spread" in row
+        assert f"{arms['baseline']['spikes_mean']:.1f} → {arms[name]['spikes_mean']:.1f}" in row
+        assert f"{arms['baseline']['max_grad_norm_mean']:.3g} → {arms[name]['max_grad_norm_mean']:.3g}" in row
+    baseline_row = next(
+        line for line in printed.splitlines() if line.split()[:1] == ["baseline"] and len(line.split()) == 2
+    )
+    assert f"{summary_now['arms']['baseline']['heldout_loss_mean']:.4f}" in baseline_row
+    seeds = printed[printed.index("held-out loss per seed") :].splitlines()
+    assert seeds[1].split() == ["seed", "baseline", "mlp_v", "gate_v", "mlp_qkv", "mlp_v_random"]
+    per_seed = {p["seed"]: p for p in summary_now["arms"]["gate_v"]["per_seed"]}
+    assert seeds[3].split()[0] == "1" and seeds[3].split()[3] == f"{per_seed[1]['heldout_loss']:.4f}"
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["variants"]) == ["mlp_v", "gate_v", "mlp_qkv", "mlp_v_random"]
     for name, entry in summary["variants"].items():
