@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     except KHAError as err:
         # one line whatever the message holds: a library's words (transformers' strict-dataclass errors) may not be
         message = " ".join(str(err).split())
-        print(f"kha {args.command}: error: {message}", file=sys.stderr)
+        if os.environ.get("RANK", "0").strip() in ("0", ""):  # every rank of a launch runs the same checks: the
+            print(f"kha {args.command}: error: {message}", file=sys.stderr)  # first one says it, once
         return 2
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM/SIGHUP while writing a checkpoint
         print(f"kha {args.command}: {str(err) or 'interrupted'}", file=sys.stderr)

@@ -187,3 +187,22 @@ def test_a_run_whose_record_was_removed_is_not_resumed_with_other_settings(finis
         f"kha train: error: {out / 'kha_data.json'} is missing: kha-hf {__version__} wrote this run with its record "
         "(corpus, seed, block length), which --resume checks; start a new run"
     ]
+
+
+def test_a_refusal_under_accelerate_launch_is_one_line_of_kha(tmp_path):
+    """Every rank runs the same checks and refuses alike; the first says it (#70): one `kha train: error:` line, then
+    only what accelerate's launcher prints of its failed processes (not kha's to silence)."""
+    import subprocess
+
+    from tests.training.engines import kha_env, launcher
+
+    proc = subprocess.run(
+        [*launcher("ddp"), "-m", "kha_hf", "train", "cpu-smoke", "--mode", "full", "--output", str(tmp_path / "out"),
+         "--resume"],
+        capture_output=True, text=True, env=kha_env(tmp_path), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    said = [line for line in proc.stderr.splitlines() if line.startswith("kha train: error:")]
+    assert said == [f"kha train: error: nothing to resume: {tmp_path / 'out'} holds no checkpoint-N folders and no "
+                    "interrupted run of it"], proc.stderr[-3000:]  # fmt: skip
+    assert "Traceback" not in proc.stdout and not (tmp_path / "out").exists()
