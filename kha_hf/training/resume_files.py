@@ -53,22 +53,22 @@ def _check_entry(path: Path) -> None:
         raise KHAError(f"{path} is not a regular file (a FIFO, socket or device): not part of a run to resume")
 
 
-def last_complete_checkpoint(run_folder: Path) -> str | None:
-    """The newest `checkpoint-N` of RUN_FOLDER that holds Trainer's state, saying so when a newer one lacks it."""
+def last_complete_checkpoint(run_folder: Path, mark: str = TRAINER_STATE) -> str | None:
+    """The newest `checkpoint-N` of RUN_FOLDER that holds MARK, the last file its save writes (Trainer's state; a
+    sharded run's `kha_run_state.json`), saying so when a newer one lacks it: a kill during a save leaves the newest
+    one without it, and the run continues from the one before. Links are never taken (`check_run_entries` refuses
+    them first)."""
     steps = []
     for folder in Path(run_folder).glob("checkpoint-*"):
         step = folder.name.removeprefix("checkpoint-")
-        if step.isascii() and step.isdigit() and folder.is_dir():
+        if step.isascii() and step.isdigit() and folder.is_dir() and not folder.is_symlink():
             steps.append((int(step), folder))
-    complete = [(step, folder) for step, folder in steps if (folder / TRAINER_STATE).is_file()]
+    complete = [(n, f) for n, f in steps if (f / mark).is_file() and not (f / mark).is_symlink()]
     if not complete:
         return None
     newest = max(complete)[1]
     if max(steps)[1] != newest:
-        print(
-            f"{max(steps)[1].name} is incomplete (no {TRAINER_STATE}: its save was interrupted); "
-            f"resuming from {newest.name}"
-        )
+        print(f"{max(steps)[1].name} is incomplete (no {mark}: its save was interrupted); resuming from {newest.name}")
     return str(newest)
 
 

@@ -205,23 +205,13 @@ def load_run_state(model, optimizer, scheduler, folder: Path, layout: dict) -> N
     scheduler.load_state_dict(scheduler_state)
 
 
-def last_complete_checkpoint(run_folder: Path) -> str | None:
-    """The newest `checkpoint-N` of RUN_FOLDER whose run state was written (the last file a checkpoint gets): a kill
-    during a save leaves the newest one without it, and the run continues from the one before."""
-    steps = []
-    for folder in Path(run_folder).glob("checkpoint-*"):
-        step = folder.name.removeprefix("checkpoint-")
-        mark = folder / RUN_STATE_FILE
-        if step.isascii() and step.isdigit() and not folder.is_symlink() and not mark.is_symlink() and mark.is_file():
-            steps.append((int(step), folder))
-    return str(max(steps)[1]) if steps else None
-
-
 def check_resumed_layout(run_folder: Path, checkpoint: str | None, plan) -> str | None:
     """The checkpoint a `--resume` continues from, checked before anything loads. Under a sharded layout (PLAN): the
     newest complete one, saved under the same layout (one-line KHAError otherwise: its shards and per-rank random
     states would not fit another); without one: CHECKPOINT, unless a sharded run wrote it (it holds no optimizer
     Trainer could read)."""
+    from .resume_files import check_run_entries, last_complete_checkpoint
+
     run_folder = Path(run_folder)
     if plan is None:
         sharded = [
@@ -235,39 +225,22 @@ def check_resumed_layout(run_folder: Path, checkpoint: str | None, plan) -> str 
                 "launch (accelerate config, processes, --tp-size / --ep-size)"
             )
         return checkpoint
-    links = [p.name for p in [*run_folder.iterdir()] if p.is_symlink()]
-    if links:  # a checkpoint written later would go through it, out of the run's folder
-        raise KHAError(f"{run_folder / links[0]} is a symbolic link: a run resumes in a folder it wrote itself")
-    complete = last_complete_checkpoint(run_folder)
+    # no link or FIFO anywhere in the run: a link would load state from elsewhere (or write a later checkpoint
+    # there), a FIFO would block every rank
+    check_run_entries(run_folder)
+    complete = last_complete_checkpoint(run_folder, RUN_STATE_FILE)
     if complete is None:
         raise KHAError(
             f"nothing to resume under this layout: {run_folder} holds no checkpoint-N that a sharded run completed "
             f"({RUN_STATE_FILE}); a run of another engine resumes with its own launch"
         )
     record = read_run_state(Path(complete), plan.layout())
-    check_regular_files(Path(complete))
     if weight_files(Path(complete)) != record["files"]:
         raise KHAError(
             f"{Path(complete).name}: its safetensors files are not those its run state records (a shard missing, "
             "added or changed in size): not a checkpoint to resume from"
         )
     return complete
-
-
-def check_regular_files(folder: Path) -> None:
-    """One-line KHAError unless everything a resume reads in FOLDER (and its optimizer/) is a regular file kept in
-    it: a link would load state from elsewhere, a FIFO would block every rank."""
-    import stat
-
-    shards = folder / OPTIMIZER_DIR
-    inside = shards.iterdir() if shards.is_dir() and not shards.is_symlink() else []  # its absence: load_run_state
-    for entry in [*folder.iterdir(), *inside]:
-        if entry.name == OPTIMIZER_DIR and entry.parent == folder and entry.is_dir() and not entry.is_symlink():
-            continue
-        mode = entry.lstat().st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
-            raise KHAError(f"{entry} is {kind}: a run resumes from checkpoints it wrote itself")
 
 
 def read_json_layout(folder: Path):

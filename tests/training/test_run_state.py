@@ -9,6 +9,7 @@ import pytest
 
 from kha_hf.common.errors import KHAError
 from kha_hf.training.parallel import ParallelPlan, check_plan_fits
+from kha_hf.training.resume_files import last_complete_checkpoint
 from kha_hf.training.run_state import (
     FORMAT,
     OPTIMIZER_DIR,
@@ -16,7 +17,6 @@ from kha_hf.training.run_state import (
     _restored,
     _write_no_follow,
     check_resumed_layout,
-    last_complete_checkpoint,
     weight_files,
 )
 
@@ -74,8 +74,9 @@ def test_a_run_state_that_is_a_link_does_not_count(tmp_path):
     target.write_text(json.dumps({"format": FORMAT, "layout": PLAN.layout(), "optimizer": {}, "scheduler": {}}))
     last = checkpoint(tmp_path / "run", 4, None)
     (tmp_path / "run" / "checkpoint-4" / RUN_STATE_FILE).symlink_to(target)
-    with pytest.raises(KHAError, match="nothing to resume"):
+    with pytest.raises(KHAError, match="kha_run_state.json is a symbolic link"):  # refused, never taken for one
         check_resumed_layout(tmp_path / "run", last, PLAN)
+    assert last_complete_checkpoint(tmp_path / "run", RUN_STATE_FILE) is None  # and never counted as complete
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link"])
@@ -90,7 +91,8 @@ def test_a_fifo_or_link_in_the_checkpoint_is_refused(kind, tmp_path):
     else:
         (tmp_path / "elsewhere.safetensors").write_bytes(b"x")
         shard.symlink_to(tmp_path / "elsewhere.safetensors")
-    with pytest.raises(KHAError, match="a run resumes from checkpoints it wrote itself"):
+    said = "is a symbolic link: a resumed run reads" if kind == "link" else r"is not a regular file \(a FIFO"
+    with pytest.raises(KHAError, match=said):
         check_resumed_layout(tmp_path / "run", last, PLAN)
 
 
@@ -138,7 +140,7 @@ def test_a_step_in_other_digits_is_not_a_checkpoint(tmp_path):
     checkpoint(tmp_path, 4, PLAN.layout())
     (tmp_path / "checkpoint-\u00b2").mkdir()
     (tmp_path / "checkpoint-\u00b2" / RUN_STATE_FILE).write_text("{}")
-    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
+    assert last_complete_checkpoint(tmp_path, RUN_STATE_FILE) == str(tmp_path / "checkpoint-4")
 
 
 @pytest.mark.parametrize(
