@@ -63,7 +63,7 @@ def write_report(
     plot_mean_curves(runs, output / "loss_curves.png", title, stability)
     names = ["kha"] if variants is None else [v.name for v in variants]
     print(per_seed_table(runs, ["baseline", *names]))
-    print(comparison_table(summary, names if variants is not None else None))
+    print(comparison_table(summary, names if variants is not None else None, comparison if variants is None else None))
     if variants is None:
         print_comparison(comparison)
     arms = stability["arms"]
@@ -85,14 +85,15 @@ def per_seed_table(runs: list[ArmRun], arms: list[str]) -> str:
     return "\n".join(lines)
 
 
-def comparison_table(summary: dict, variants: list[str] | None = None) -> str:
+def comparison_table(summary: dict, variants: list[str] | None = None, single: dict | None = None) -> str:
     """The comparison with the baseline, one row an arm: its mean held-out loss, Δ = arm − baseline (negative: the
     arm's loss is lower) with its 95 % t-interval and degrees of freedom, spikes and the largest gradient norm as
-    baseline → arm (means over seeds), and with VARIANTS the paper's Δ."""
+    baseline → arm (means over seeds), and with VARIANTS the paper's Δ. SINGLE: the one twin's comparison
+    (`compare_arms`) when there are no variants."""
     stability = summary["stability"]["arms"]
     base = stability.get("baseline", {})
     arms = summary["arms"]
-    entries = {"kha": summary} if variants is None else summary["variants"]
+    entries = {"kha": single} if variants is None else summary["variants"]
     paper = f"  paper Δ ({summary['paper_setting']})" if variants is not None else ""
     lines = [
         f"held-out loss, mean over {len(summary['seeds'])} seed(s); Δ = arm − baseline (negative: lower loss than "

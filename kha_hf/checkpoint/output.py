@@ -139,6 +139,14 @@ def _lock(folder: Path, created: bool) -> int | None:
     """An exclusive lock on FOLDER for as long as this run works in it (released by the kernel when the process
     ends, however it ends): two `--resume` runs never continue the same kept folder. None where the file system
     has no locks."""
+    if created:  # a folder this run just made: another run holding it is a bug, not a refusal
+        return hold_lock(folder, None)
+    return hold_lock(folder, f"{folder} is being continued by another run")
+
+
+def hold_lock(folder: Path, refusal: str | None) -> int | None:
+    """A descriptor holding an exclusive lock on FOLDER (a folder, never followed through a link), or None where
+    the file system has no locks; held by another process: KHAError(REFUSAL) (BlockingIOError without one)."""
     import fcntl
 
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
@@ -146,9 +154,9 @@ def _lock(folder: Path, created: bool) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        if created:
+        if refusal is None:
             raise
-        raise KHAError(f"{folder} is being continued by another run") from None
+        raise KHAError(refusal) from None
     except OSError:
         os.close(fd)
         return None

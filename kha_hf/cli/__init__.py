@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except KHAError as err:
         # one line whatever the message holds: a library's words (transformers' strict-dataclass errors) may not be
         message = " ".join(str(err).split())
-        if os.environ.get("RANK", "0").strip() in ("0", ""):  # every rank of a launch runs the same checks: the
-            print(f"kha {args.command}: error: {message}", file=sys.stderr)  # first one says it, once
+        say_once(f"kha {args.command}: error: {message}")  # every rank of a launch refuses alike: one line
         return 2
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM/SIGHUP while writing a checkpoint
         print(f"kha {args.command}: {str(err) or 'interrupted'}", file=sys.stderr)
@@ -77,6 +76,33 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # the file system said no (read-only, full, permissions): not a bug of kha
         print(f"kha {args.command}: error: {describe_os_error(err)}", file=sys.stderr)
         return 2
+
+
+def say_once(line: str) -> None:
+    """Print LINE on stderr, once per launch: the ranks of an `accelerate launch` / torchrun run (children of one
+    launcher process) run the same checks and refuse alike, and the first to refuse says it; a rank whose refusal
+    differs (its own file) still says its own. Ranks agree through a file of the lines said, locked while read and
+    appended, in the temporary folder (named by the user and the launcher's process)."""
+    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "1", "0"):
+        print(line, file=sys.stderr)
+        return
+    import fcntl
+    import tempfile
+
+    launch = f"{os.getuid()}-{os.getppid()}-{os.environ.get('MASTER_PORT', '')}"
+    path = os.path.join(tempfile.gettempdir(), f"kha-said-{launch}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        with os.fdopen(fd, "r+", encoding="utf-8", errors="replace") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            if os.fstat(f.fileno()).st_uid == os.getuid():  # never another user's file
+                f.seek(0)
+                if line + "\n" in f.read(1 << 20):
+                    return
+                f.write(line + "\n")
+    except OSError:
+        pass  # no agreement to be had: say it
+    print(line, file=sys.stderr)
 
 
 def describe_os_error(err: OSError) -> str:

@@ -36,3 +36,17 @@ def read_json_object(path: Path, max_bytes: int = 1 << 20) -> dict:
     if not isinstance(raw, dict):
         raise KHAError(f"{path} must hold a JSON object")
     return raw
+
+
+def bounded_lines(f, limit: int):
+    """The lines of the binary file F, each at most LIMIT bytes: a longer one (a 1 GiB line of a planted record) is
+    skipped, read past in pieces of LIMIT, so what is held never grows with the file."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):  # the rest of an overlong line
+            line = f.readline(limit)

@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import os
 import stat
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from ..checkpoint.paths import check_run_destination
 from ..common.errors import KHAError
 from .chunks import CHUNK_BYTES, DIGEST, ChunkHasher
 from .corpus import TOKENS
-from .megatron_index import MegatronIndex, read_megatron_index
+from .megatron_index import MegatronIndex, open_regular, read_megatron_index
 from .prepare import (
     DEFAULT_EVAL_FRACTION,
     DEFAULT_MAX_EVAL_TOKENS,
@@ -61,6 +62,7 @@ from .sources import SKIP_KINDS, Source, looks_like_hub_dataset
 
 FORMATS = ("nanogpt", "megatron", "numpy")
 READ_BYTES = 8 << 20  # ids read, checked and hashed at once
+MAX_NPY_HEADER = 1 << 16  # bytes: numpy's own headers of a 1-D array are under 200
 NPY_DTYPES = ("<u2", "<u4", "<i2", "<i4")  # what a NumPy-format token file may hold
 SAME_BYTES = {"u2": "uint16", "i2": "uint16", "u4": "uint32", "i4": "uint32"}  # kind + size -> the corpus dtype
 
@@ -207,9 +209,15 @@ def _token_file(path: Path, fmt: str, dtype: str | None, natural: str) -> TokenF
 
 def _npy_layout(path: Path, size: int) -> tuple[np.dtype, int, int] | None:
     """(dtype, header bytes, ids) of a NumPy-format file, or None for raw ids (no `\\x93NUMPY` magic)."""
-    with open(path, "rb") as f:
-        if f.read(6) != b"\x93NUMPY":
+    with os.fdopen(open_regular(path), "rb") as f:
+        start = f.read(12)
+        if start[:6] != b"\x93NUMPY":
             return None
+        # numpy reads the whole header its length field states (up to 4 GiB in version 2.0) before checking it: a
+        # header of a token array is a few hundred bytes, so a longer one is refused before numpy reads it
+        stated = struct.unpack_from("<H" if start[6:7] == b"\x01" else "<I", start, 8)[0] if len(start) >= 12 else 0
+        if stated > MAX_NPY_HEADER:
+            raise KHAError(f"{path} states a .npy header of {stated:,} bytes: not a token array's")
         f.seek(0)
         try:
             version = np.lib.format.read_magic(f)
@@ -318,7 +326,7 @@ class _Adoption:
         source.sha256 = (digest or self.digest).hexdigest()
         if file.index is None:
             return [source]
-        return [source, _index_record(file.index.idx)]
+        return [source, _index_record(file.index)]
 
     def _ids(self, fd: int, file: TokenFile, sink, digest, bar) -> int:
         """Check, convert and write FILE's ids; returns its documents."""
@@ -437,12 +445,15 @@ def _open_checked(path: Path, identity: tuple[int, int]) -> int:
     return fd
 
 
-def _index_record(idx: Path) -> Source:
-    """The source record of a Megatron .idx: read once more, in pieces, for its digest."""
+def _index_record(index: MegatronIndex) -> Source:
+    """The source record of a Megatron .idx: read once more, in pieces, for its digest (the file checked, unchanged)."""
+    idx = index.idx
     digest, source = hashlib.sha256(), Source(str(idx), "file")
-    with open(idx, "rb") as f:
+    with os.fdopen(open_regular(idx), "rb") as f:
+        info = os.fstat(f.fileno())
+        if (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) != index.stamp:
+            raise KHAError(f"{idx} changed while it was read: adopt it again")
         while piece := f.read(READ_BYTES):
             digest.update(piece)
-        info = os.fstat(f.fileno())
     source.bytes, source.mtime_ns, source.sha256 = info.st_size, info.st_mtime_ns, digest.hexdigest()
     return source

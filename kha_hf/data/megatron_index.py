@@ -20,6 +20,7 @@ indices in order and in range), in slices of SLICE entries: what a check holds d
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class MegatronIndex:
     sequences: int
     entries: int  # document index entries: documents + 1
     tokens: int  # ids in PREFIX.bin
+    stamp: tuple[int, int, int, int] | None = None  # PREFIX.idx's (device, inode, size, mtime) when it was checked
 
     @property
     def _pointers_at(self) -> int:
@@ -58,13 +60,14 @@ class MegatronIndex:
         """The token offset in PREFIX.bin where each non-empty document ends, ascending, as int64 arrays of at most
         SLICE entries (an empty document, two equal entries of the document index, ends nowhere)."""
         previous = 0
-        for starts in _slices(self.idx, self._documents_at + 8, self.entries - 1, np.int64):  # doc index [1:]
+        for starts in _slices(self.idx, self._documents_at + 8, self.entries - 1, np.int64, self.stamp):  # [1:]
             while starts.size:
                 first = int(starts[0])
                 if first == self.sequences:  # the documents that end with the last sequence end with the file
                     ends, starts = np.full(starts.size, self.tokens, np.int64), starts[:0]
                 else:
-                    window = _read(self.idx, self._pointers_at + 8 * first, min(SLICE, self.sequences - first), "<i8")
+                    count = min(SLICE, self.sequences - first)
+                    window = _read(self.idx, self._pointers_at + 8 * first, count, "<i8", self.stamp)
                     k = int(np.searchsorted(starts, first + window.size))
                     ends, starts = window[starts[:k] - first] // self.dtype.itemsize, starts[k:]
                 ends = ends[np.diff(ends, prepend=previous) > 0]
@@ -77,9 +80,11 @@ def read_megatron_index(name: str | Path) -> MegatronIndex:
     """The checked index of the dataset NAME (its prefix, or its .bin or .idx path); one-line KHAError otherwise."""
     prefix = str(name)[:-4] if str(name).endswith((".bin", ".idx")) else str(name)
     idx, bin_ = Path(prefix + ".idx").absolute(), Path(prefix + ".bin").absolute()
-    size = os.path.getsize(idx)
-    with open(idx, "rb") as f:
+    fd = open_regular(idx)
+    with os.fdopen(fd, "rb") as f:
         head = f.read(HEADER)
+        info = os.fstat(f.fileno())
+    size, stamp = info.st_size, _stamp(info)
     if len(head) < HEADER:
         raise KHAError(f"{idx} is truncated: {len(head)} bytes, shorter than the {HEADER}-byte Megatron index header")
     if head[: len(MAGIC)] != MAGIC:
@@ -98,7 +103,7 @@ def read_megatron_index(name: str | Path) -> MegatronIndex:
     if entries < 2:
         raise KHAError(f"{idx} holds no document ({entries} document index entries): an empty dataset")
     dtype = np.dtype(DTYPES[code]).newbyteorder("<")
-    index = MegatronIndex(idx, bin_, dtype, sequences, entries, os.path.getsize(bin_) // dtype.itemsize)
+    index = MegatronIndex(idx, bin_, dtype, sequences, entries, os.path.getsize(bin_) // dtype.itemsize, stamp)
     _check_sequences(index, os.path.getsize(bin_))
     _check_documents(index)
     return index
@@ -109,8 +114,8 @@ def _check_sequences(index: MegatronIndex, bin_bytes: int) -> None:
     if index.sequences == 0:
         raise KHAError(f"{index.idx} holds no sequence: an empty dataset")
     end, item = 0, index.dtype.itemsize
-    lengths = _slices(index.idx, HEADER, index.sequences, np.int32)
-    pointers = _slices(index.idx, index._pointers_at, index.sequences, np.int64)
+    lengths = _slices(index.idx, HEADER, index.sequences, np.int32, index.stamp)
+    pointers = _slices(index.idx, index._pointers_at, index.sequences, np.int64, index.stamp)
     for first, (length, pointer) in enumerate(zip(lengths, pointers, strict=True)):
         if int(length.min()) < 0:
             raise KHAError(f"{index.idx}: a sequence length is negative ({int(length.min())}): a damaged index")
@@ -132,7 +137,7 @@ def _check_sequences(index: MegatronIndex, bin_bytes: int) -> None:
 def _check_documents(index: MegatronIndex) -> None:
     """Document starts from 0 to S, never decreasing."""
     previous = last = 0
-    for first, starts in enumerate(_slices(index.idx, index._documents_at, index.entries, np.int64)):
+    for first, starts in enumerate(_slices(index.idx, index._documents_at, index.entries, np.int64, index.stamp)):
         steps = np.diff(starts, prepend=previous)
         if int(starts.min()) < 0 or int(starts.max()) > index.sequences or int(steps.min()) < 0:
             at = first * SLICE + int(np.flatnonzero((steps < 0) | (starts < 0) | (starts > index.sequences))[0])
@@ -150,16 +155,37 @@ def _check_documents(index: MegatronIndex) -> None:
         )
 
 
-def _slices(path: Path, offset: int, count: int, dtype) -> Iterator[np.ndarray]:
+def _slices(path: Path, offset: int, count: int, dtype, stamp=None) -> Iterator[np.ndarray]:
     """COUNT little-endian DTYPE values at byte OFFSET of PATH, in arrays of at most SLICE."""
     for first in range(0, count, SLICE):
-        yield _read(path, offset + first * np.dtype(dtype).itemsize, min(SLICE, count - first), dtype)
+        yield _read(path, offset + first * np.dtype(dtype).itemsize, min(SLICE, count - first), dtype, stamp)
 
 
-def _read(path: Path, offset: int, count: int, dtype) -> np.ndarray:
+def _read(path: Path, offset: int, count: int, dtype, stamp=None) -> np.ndarray:
+    """COUNT values at OFFSET of PATH, which must still be the file STAMP describes: an index rewritten or replaced
+    after its check is refused, never read unchecked."""
     dtype = np.dtype(dtype).newbyteorder("<")
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
+        if stamp is not None and _stamp(os.fstat(f.fileno())) != stamp:
+            raise KHAError(f"{path} changed while it was read: adopt it again")
         data = os.pread(f.fileno(), count * dtype.itemsize, offset)
     if len(data) != count * dtype.itemsize:
         raise KHAError(f"{path} is shorter than when it was checked: it changed while it was read")
     return np.frombuffer(data, dtype=dtype)
+
+
+def _stamp(info: os.stat_result) -> tuple[int, int, int, int]:
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of PATH if it is a regular file, opened without blocking: a FIFO put in a file's place
+    after an earlier check is refused here, never waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise KHAError(f"cannot read {path}: {err.strerror or err}") from err
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise KHAError(f"{path} is not a regular file (a FIFO, socket or device): not a token file")
+    return fd

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
@@ -123,3 +124,41 @@ def _check_pickle(path: Path) -> None:
             f"cannot resume from {path.parent.parent.name}: DeepSpeed would unpickle {path.name}, which names "
             f"{', '.join(code[:3])} (code that loading runs); {TRUST}"
         )
+
+
+def check_random_states(checkpoint: str | Path) -> None:
+    """Every `rng_state*.pth` of CHECKPOINT loads as Trainer loads its own rank's (weights-only, with transformers'
+    `safe_globals`), or a one-line KHAError: each rank reads only its own file, so a planted pickle in rank 1's was
+    refused on rank 1 alone while rank 0 died of the broken connection, and no line said why."""
+    import pickle
+
+    import torch
+    from transformers.trainer_pt_utils import safe_globals
+
+    for path in sorted(Path(checkpoint).glob("rng_state*.pth")):
+        try:
+            with safe_globals():
+                torch.load(path, weights_only=True, map_location="cpu")
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+            reason = " ".join(str(err).split("Check the documentation")[0].split())[:200]
+            raise KHAError(
+                f"cannot resume from {Path(checkpoint).name}: {path.name} is no random state ({reason})"
+            ) from None
+
+
+@contextlib.contextmanager
+def resume_lock(folder: Path | None):
+    """An exclusive lock on FOLDER (a finished run being resumed) while this run works: a second `--resume` of the
+    same output is refused in one line instead of both training and the last to finish replacing the other's
+    result. None: nothing to lock (another rank, or a run that is no resume of a finished one)."""
+    if folder is None:
+        yield
+        return
+    from ..checkpoint.output import hold_lock
+
+    fd = hold_lock(folder, f"{folder} is being resumed by another run")
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)

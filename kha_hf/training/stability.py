@@ -22,9 +22,12 @@ from pathlib import Path
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..common.text_files import bounded_lines
+
 PROBE_IMPLEMENTATION = "kha_logit_probe"
 STABILITY_FILE = "stability.jsonl"  # kha train's per-step rows, in its output folder
 PROBED_IMPLEMENTATION = "sdpa"
+MAX_ROW_BYTES = 1 << 20  # a row holds a number a layer: far past any model's
 _CHUNK_ELEMENTS = 1 << 24  # logits computed per chunk (64 MiB in float32): memory stays flat in T
 
 
@@ -37,14 +40,16 @@ class StabilityLog:
     rows: list[dict] = field(default_factory=list)
     path: Path | None = None
 
-    def append_to(self, path: Path, keep_until: int | None = None) -> None:
-        """Append every row to PATH from now on. Rows past step KEEP_UNTIL (a resumed run's checkpoint: the steps
-        after it run again; None keeps every step) and lines an interruption cut are dropped first, streaming through
-        a sibling file, so the file holds each step once, in order."""
-        if path.is_file() and not path.is_symlink():
+    def append_to(self, path: Path, keep_until: int | None = None, source: Path | None = None) -> None:
+        """Append every row to PATH from now on. The rows already there, or SOURCE's (a finished run's record, when
+        it is resumed into a new folder), are kept up to step KEEP_UNTIL (a resumed run's checkpoint: the steps after
+        it run again; None keeps every step); lines that are not rows are dropped, streaming through a sibling file,
+        so the file holds each step once, in order, and nothing but rows is ever copied."""
+        source = path if source is None else source
+        if source.is_file() and not source.is_symlink():
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "w") as out:
-                for row in iter_stability_lines(path):
+                for row in iter_stability_lines(source):
                     if keep_until is None or row["step"] <= keep_until:
                         out.write(json.dumps(row, allow_nan=True) + "\n")
             os.replace(tmp, path)
@@ -268,7 +273,7 @@ def iter_stability_lines(path: Path) -> Iterator[dict]:
         return
     last = 0
     with open(path, "rb") as f:
-        for raw in f:
+        for raw in bounded_lines(f, MAX_ROW_BYTES):  # a row is a few KB: a planted 1 GiB line is never held
             try:
                 row = json.loads(raw.decode("utf-8", errors="replace"))
             except ValueError:

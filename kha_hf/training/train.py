@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import pickle
-import shutil
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -66,7 +65,14 @@ from .parallel import (
     plan_from_launch,
     world_size,
 )
-from .resume_files import TRAINER_STATE, check_checkpoint_files, check_run_entries, last_complete_checkpoint
+from .resume_files import (
+    TRAINER_STATE,
+    check_checkpoint_files,
+    check_random_states,
+    check_run_entries,
+    last_complete_checkpoint,
+    resume_lock,
+)
 from .run_dir import run_output_dir
 from .run_state import check_resumed_layout
 from .schedules import Schedule
@@ -252,6 +258,7 @@ def train(
         checkpoint = check_resumed_layout(adopt or output_dir, checkpoint, plan)
         if plan is None:  # a run sharded at load time keeps its states in kha's run state, checked above
             check_checkpoint_files(checkpoint, trust_checkpoint_pickle)
+        check_random_states(checkpoint)  # every rank's, on every rank: a refusal is the same everywhere
         check_resumed_record(adopt or output_dir, record)  # the same corpus, seed and block length
         check_checkpoint_step(checkpoint, max_steps)
         replace = output_dir.exists()
@@ -362,7 +369,9 @@ def train(
     if build is None:
         model = prepare_for_mode(model, mode, lora_r=lora_r)
     main = is_main_process()  # one line per run, not per rank
-    with run_output_dir(output_dir, replace, args, adopt=adopt) as work:
+    # a finished run resumed into a new folder: one run at a time (a kept interrupted run is locked by its folder)
+    locked = output_dir if resume and adopt is None and main else None
+    with resume_lock(locked), run_output_dir(output_dir, replace, args, adopt=adopt) as work:
         if build is not None:  # built once and loaded as a checkpoint is, each rank its shard (training/parallel.py)
             model = prepare_for_mode(build_sharded(build, KHAForCausalLM, plan, work, dtype=dtype), mode)
         if main:
@@ -386,18 +395,27 @@ def train(
         trainer.resumed_from_step = resumed_at or 0
         if trainer.is_world_process_zero():
             write_run_record(work, record)  # what --resume checks: the same corpus, seed and block length
-            for record_file in (STABILITY_FILE, VALIDATION_FILE):
-                if checkpoint and adopt is None and (output_dir / record_file).is_file():
-                    # a finished run resumed: its record goes on (steps past the checkpoint are dropped just below)
-                    shutil.copyfile(output_dir / record_file, work / record_file)
-            trainer.stability.append_to(work / STABILITY_FILE, resumed_at)  # per step: loss, norms, lr, logits
+        # a finished run resumed: its records go on from the old folder's (their rows only, up to the checkpoint)
+        earlier = output_dir if checkpoint and adopt is None else None
+        if trainer.is_world_process_zero():
+            stability_source = earlier / STABILITY_FILE if earlier is not None else None
+            trainer.stability.append_to(work / STABILITY_FILE, resumed_at, stability_source)  # loss, norms, lr, logits
         if validation_set is not None:
-            trainer.add_callback(ValidationRecord(work / VALIDATION_FILE, resumed_at, trainer.is_world_process_zero()))
+            trainer.add_callback(
+                ValidationRecord(
+                    work / VALIDATION_FILE,
+                    resumed_at,
+                    trainer.is_world_process_zero(),
+                    earlier / VALIDATION_FILE if earlier is not None else None,
+                )
+            )
         before = trainer.evaluate(heldout_set)["eval_loss"] if eval_before else None
         try:
             output = trainer.train(resume_from_checkpoint=checkpoint)
         except pickle.UnpicklingError as err:  # torch.load(weights_only=True) refused an object: nothing ran
             raise KHAError(f"cannot resume from {checkpoint}: {unpickling_reason(err)}") from err
+        except SafetensorError as err:  # a checkpoint's weights whose header lies (a tensor past the file's end)
+            raise KHAError(f"cannot resume from {checkpoint}: its weights cannot be read ({first_line(err)})") from err
         except SystemExit as err:  # a library ended the run (DeepSpeed's autotuning did): no model, never exit 0
             raise KHAError(f"training stopped before its last step (exit({err.code!r}) inside the trainer)") from None
         except (OSError, CheckpointException) as err:  # a checkpoint that could not be written (a full disk)
@@ -453,6 +471,13 @@ def model_line(model, tokenizer, config_ref=None) -> str:
     return f"model: {parameter_line(model)}; vocabulary {vocab:,} from the tokenizer {name}{note}"
 
 
+def first_line(err: BaseException) -> str:
+    """ERR's message up to any traceback it carries (torch DCP's CheckpointException holds every rank's), on one
+    line of at most 400 characters."""
+    text = str(err).split("Traceback (most recent call last)")[0]
+    return " ".join(text.split())[:400] or type(err).__name__
+
+
 def _load(source, dtype, plan):
     """The KHA model of SOURCE (a checkpoint), laid out by PLAN when there is one."""
     try:
@@ -460,7 +485,7 @@ def _load(source, dtype, plan):
             return load_sharded(KHAForCausalLM, source, plan, dtype=dtype)
         return KHAForCausalLM.from_pretrained(source, dtype=dtype)
     except (OSError, ValueError, CheckpointException) as err:  # DCP's is a BaseException (torch 2.13)
-        raise KHAError(f"cannot load a KHA model from {source}: {' '.join(str(err).split())[:400]}") from err
+        raise KHAError(f"cannot load a KHA model from {source}: {first_line(err)}") from err
 
 
 def check_checkpoint_step(checkpoint: str | None, max_steps: int) -> None:

@@ -12,36 +12,45 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from ..common.text_files import bounded_lines
+
 VALIDATION_FILE = "validation.jsonl"
 METRIC = "eval_validation_loss"  # Trainer's name for the loss of eval_dataset={"validation": ...}
 
 
 def read_validation_lines(path: Path) -> list[dict]:
-    """The rows of PATH (a line an interruption cut, or one that is not a row, is skipped)."""
+    """The rows of PATH, each step once and in order, each loss a finite number or null; anything else (a line an
+    interruption cut, an edited one, a line past 4 KiB) is skipped."""
     rows = []
-    if not path.is_file():
+    if not path.is_file() or path.is_symlink():
         return rows
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+    with open(path, "rb") as f:
+        for line in bounded_lines(f, 4096):
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
+                row = json.loads(line.decode("utf-8", errors="replace"))
+            except ValueError:
                 continue
-            if isinstance(row, dict) and type(row.get("step")) is int and isinstance(row.get("validation_loss"), float):
-                rows.append(row)
+            if not isinstance(row, dict) or type(row.get("step")) is not int or type(row.get("tokens_seen")) is not int:
+                continue
+            loss = row.get("validation_loss")
+            finite = loss is None or (type(loss) is float and math.isfinite(loss))
+            if finite and row["step"] > (rows[-1]["step"] if rows else 0):
+                rows.append({key: row[key] for key in ("step", "validation_loss", "tokens_seen")})
     return rows
 
 
 class ValidationRecord(TrainerCallback):
-    """Appends each validation loss to PATH on the main process. A resumed run's rows past KEEP_UNTIL (its
-    checkpoint's step: those steps run again) are dropped first, so each evaluation is there once, in order."""
+    """Appends each validation loss to PATH on the main process. The rows already there, or SOURCE's (a finished
+    run resumed into a new folder), are kept up to KEEP_UNTIL (its checkpoint's step: the steps after it run again),
+    so each evaluation is there once, in order. The rows are held in memory to rewrite them: one an evaluation."""
 
-    def __init__(self, path: Path, keep_until: int | None = None, main: bool = True) -> None:
+    def __init__(self, path: Path, keep_until: int | None = None, main: bool = True, source: Path | None = None):
         self.path, self.main = path, main
-        if main and path.is_file() and not path.is_symlink():
-            kept = [r for r in read_validation_lines(path) if keep_until is None or r["step"] <= keep_until]
+        source = path if source is None else source
+        if main and source.is_file() and not source.is_symlink():
+            kept = [r for r in read_validation_lines(source) if keep_until is None or r["step"] <= keep_until]
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))  # at most one row an evaluation: small
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, path)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):

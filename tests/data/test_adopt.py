@@ -471,3 +471,72 @@ def test_the_cli_adopts_and_refuses_in_one_line(tokenizer_dir, tmp_path, capsys)
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and not x.startswith("checking:")]  # no bar
     assert len(err) == 1 and "token id 700 at byte 6,000 is past the tokenizer's 512 ids" in err[0], err
     assert not (tmp_path / "d").exists() and not list(tmp_path.glob(".kha-*"))
+
+
+# ---- the attack round of 2026-12-07 (#70): races and a lying header ------------------------------------------------
+
+
+def test_a_npy_header_that_states_a_gigabyte_is_refused_before_it_is_read(tokenizer_dir, tmp_path):  # noqa: F811
+    src = tmp_path / "big.npy"
+    with open(src, "wb") as f:  # a sparse file: numpy would read the 1 GiB header whole before checking it
+        f.write(b"\x93NUMPY\x02\x00" + struct.pack("<I", 1 << 30))
+        f.truncate(12 + (1 << 30) + 64)
+    with pytest.raises(KHAError, match=r"states a .npy header of 1,073,741,824 bytes: not a token array's"):
+        adopt([src], tokenizer_dir, tmp_path / "corpus", "numpy", copy=True)
+    assert not (tmp_path / "corpus").exists() and not list(tmp_path.glob(".kha-*"))
+
+
+@pytest.mark.parametrize("fmt", ["numpy", "megatron"])
+def test_a_source_made_a_fifo_after_its_check_is_refused_not_waited_on(
+    fmt,
+    tokenizer_dir,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    import signal
+
+    import kha_hf.data.adopt as adopt_module
+
+    if fmt == "numpy":
+        src = tmp_path / "ids.npy"
+        np.save(src, stream(2000).astype("<u2"))
+        victim = src
+    else:
+        megatron_docs(tmp_path / "ds", documents(20))
+        src, victim = tmp_path / "ds", tmp_path / "ds.idx"
+    loaded = adopt_module.load_corpus_tokenizer
+
+    def fifo_in_its_place(*args, **kwargs):  # another process wins the race while the tokenizer loads
+        tokenizer = loaded(*args, **kwargs)
+        victim.unlink()
+        os.mkfifo(victim)
+        return tokenizer
+
+    monkeypatch.setattr(adopt_module, "load_corpus_tokenizer", fifo_in_its_place)
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("adoption blocked on a FIFO"))
+    signal.alarm(60)
+    try:
+        with pytest.raises(KHAError, match="not a regular file|replaced by another file"):
+            adopt([src], tokenizer_dir, tmp_path / "corpus", fmt, copy=True)
+    finally:
+        signal.alarm(0)
+    assert not (tmp_path / "corpus").exists() and not list(tmp_path.glob(".kha-*"))
+
+
+def test_a_megatron_index_rewritten_after_its_check_is_refused(tokenizer_dir, tmp_path, monkeypatch):  # noqa: F811
+    import kha_hf.data.adopt as adopt_module
+
+    megatron_docs(tmp_path / "ds", documents(20))
+    checked = adopt_module.read_megatron_index
+
+    def rewritten_after_the_check(name):
+        index = checked(name)
+        with open(tmp_path / "ds.idx", "r+b") as f:  # the same size, a document index the checks would refuse
+            f.seek(index._documents_at + 8)
+            f.write(np.asarray([0, 0], "<i8").tobytes())
+        return index
+
+    monkeypatch.setattr(adopt_module, "read_megatron_index", rewritten_after_the_check)
+    with pytest.raises(KHAError, match="ds.idx changed while it was read: adopt it again"):
+        adopt([tmp_path / "ds"], tokenizer_dir, tmp_path / "corpus", "megatron")
+    assert not (tmp_path / "corpus").exists() and not list(tmp_path.glob(".kha-*"))

@@ -206,3 +206,112 @@ def test_a_refusal_under_accelerate_launch_is_one_line_of_kha(tmp_path):
     assert said == [f"kha train: error: nothing to resume: {tmp_path / 'out'} holds no checkpoint-N folders and no "
                     "interrupted run of it"], proc.stderr[-3000:]  # fmt: skip
     assert "Traceback" not in proc.stdout and not (tmp_path / "out").exists()
+
+
+# ---- the attack round of 2026-12-07 (#70) ----------------------------------------------------------------------------
+
+
+def test_a_planted_random_state_is_refused_on_every_rank_before_anything_loads(finished, prepared, tmp_path, capsys):
+    """Each rank reads only its own rng_state_N.pth: rank 1's planted pickle was refused on rank 1 alone and rank 0
+    died of the broken connection. Every rank now checks every rank's file first."""
+    out = copy_of(finished, tmp_path)
+    mark = tmp_path / "ran"
+    torch.save({"python": Payload(mark)}, out / "checkpoint-4" / "rng_state_1.pth")
+    code, err = resume(prepared, out, capsys, 6)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("kha train: error: cannot resume from checkpoint-4: rng_state_1.pth is no random state")
+    assert not mark.exists()
+
+
+def test_weights_whose_header_lies_are_one_line(finished, prepared, tmp_path, capsys):
+    out = copy_of(finished, tmp_path)
+    weights = out / "checkpoint-4" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    text = data[8 : 8 + header].decode().replace('"data_offsets":[0,', '"data_offsets":[1,', 1)
+    data[8 : 8 + header] = text.encode()  # the same size: a tensor that no longer covers the file
+    weights.write_bytes(bytes(data))
+    code, err = resume(prepared, out, capsys, 6)
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "kha train: error: cannot" in err and "checkpoint-4" in err
+
+
+def test_a_planted_giant_line_in_the_records_is_dropped_not_copied(finished, prepared, tmp_path, capsys):
+    out = copy_of(finished, tmp_path)
+    rows = (out / "stability.jsonl").read_text()
+    with open(out / "stability.jsonl", "a") as f:  # 256 MiB without a newline (sparse: no disk)
+        f.truncate(len(rows) + (256 << 20))
+    code, err = resume(prepared, out, capsys, 6)
+    assert code == 0, err
+    kept = (out / "stability.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in kept] == [1, 2, 3, 4, 5, 6]
+    assert (out / "stability.jsonl").stat().st_size < 1 << 20
+
+
+def test_a_validation_record_keeps_finite_rows_once_in_order(tmp_path):
+    from kha_hf.training.validation_log import read_validation_lines
+
+    path = tmp_path / "validation.jsonl"
+    path.write_text(
+        '{"step": 2, "validation_loss": 5.5, "tokens_seen": 64}\n'
+        '{"step": 4, "validation_loss": 1e999, "tokens_seen": 128}\n'  # Infinity: no JSON a reader could take
+        '{"step": 4, "validation_loss": 5.1, "tokens_seen": 128}\n'
+        '{"step": 3, "validation_loss": 5.2, "tokens_seen": 96}\n'  # out of order
+        '{"step": 6, "validation_loss": "x", "tokens_seen": 192}\n' + "y" * 5000 + "\n"
+        '{"step": 8, "validation_loss": null, "tokens_seen": 256}\n'
+    )
+    assert [(r["step"], r["validation_loss"]) for r in read_validation_lines(path)] == [(2, 5.5), (4, 5.1), (8, None)]
+
+
+def test_a_second_resume_of_the_same_output_is_refused_while_the_first_runs(finished, prepared, tmp_path, capsys):
+    from kha_hf.checkpoint.output import hold_lock
+
+    out = copy_of(finished, tmp_path)
+    held = hold_lock(out, "held")  # the first resume, still working
+    try:
+        code, err = resume(prepared, out, capsys, 6)
+    finally:
+        os.close(held)
+    assert code == 2 and err == f"kha train: error: {out} is being resumed by another run"
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4  # untouched
+
+
+def test_the_ranks_of_one_launch_say_a_refusal_once_and_each_its_own(monkeypatch, tmp_path, capsys):
+    import tempfile
+
+    from kha_hf.cli import say_once
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    say_once("kha train: error: the same")  # rank 0
+    say_once("kha train: error: the same")  # rank 1: already said
+    say_once("kha train: error: rank 1's own file")
+    assert capsys.readouterr().err.splitlines() == ["kha train: error: the same", "kha train: error: rank 1's own file"]
+
+
+def test_a_checkpoint_error_is_said_without_the_traceback_it_carries():
+    from kha_hf.training.train import first_line
+
+    err = RuntimeError(
+        "CheckpointException ranks:dict_keys([0, 1])\nTraceback (most recent call last): (RANK 0)\n  File"
+    )
+    assert first_line(err) == "CheckpointException ranks:dict_keys([0, 1])"
+
+
+def test_record_lines_are_read_in_bounded_pieces():
+    import io
+
+    from kha_hf.common.text_files import bounded_lines
+
+    class Counting(io.BytesIO):
+        largest = 0
+
+        def readline(self, size=-1):
+            line = super().readline(size)
+            Counting.largest = max(Counting.largest, len(line))
+            return line
+
+    f = Counting(b'{"a": 1}\n' + b"x" * (8 << 20) + b"\n" + b'{"b": 2}\n' + b"z" * 100)
+    assert list(bounded_lines(f, 4096)) == [b'{"a": 1}\n', b'{"b": 2}\n', b"z" * 100]
+    assert Counting.largest <= 4097  # an 8 MiB line never held whole

@@ -220,7 +220,9 @@ def test_ab_runs_twins_from_the_same_start_and_writes_its_report(tmp_path, capsy
     ]
     assert main([*argv, "--seeds", "2", "--seed", "5"]) == 0
     out = capsys.readouterr().out
-    assert "Δ held-out (kha − baseline) over 2 seed(s)" in out and "95 % CI" in out
+    assert "Δ held-out (kha − baseline) over 2 seed(s)" in out and "95 % CI" in out and "1 degree of freedom" in out
+    row = next(line for line in out.splitlines() if line.startswith("kha "))  # the table's row of the one twin
+    assert "df 1" in row and "→" in row
     rows = list(csv.DictReader(open(tmp_path / "ab" / "loss_curves.csv")))
     assert len(rows) == 12 and set(rows[0]) == {"seed", "step", "baseline_loss", "kha_loss"}
     assert {r["seed"] for r in rows} == {"5", "6"}
