@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -140,7 +141,10 @@ def check_random_states(checkpoint: str | Path) -> None:
             with safe_globals():
                 torch.load(path, weights_only=True, map_location="cpu")
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
-            reason = " ".join(str(err).split("Check the documentation")[0].split())[:200]
+            from .guards import unpickling_reason
+
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+            reason = f"it names {found.group(1)}; nothing of it ran" if found else unpickling_reason(err)
             raise KHAError(
                 f"cannot resume from {Path(checkpoint).name}: {path.name} is no random state ({reason})"
             ) from None
