@@ -218,7 +218,7 @@ def test_ab_runs_twins_from_the_same_start_and_writes_its_report(tmp_path, capsy
         "--data",
         str(tmp_path / "data.md"),
     ]
-    assert main([*argv, "--seeds", "2", "--seed", "5"]) == 0
+    assert main([*argv, "--seeds", "2", "--seed", "5", "--eval-steps", "3", "--max-eval-blocks", "4"]) == 0
     out = capsys.readouterr().out
     assert "Δ held-out (kha − baseline) over 2 seed(s)" in out and "95 % CI" in out and "1 degree of freedom" in out
     row = next(line for line in out.splitlines() if line.startswith("kha "))  # the table's row of the one twin
@@ -239,6 +239,10 @@ def test_ab_runs_twins_from_the_same_start_and_writes_its_report(tmp_path, capsy
     low, high = summary["ci95"]
     assert low < summary["delta_mean"] < high
     assert (tmp_path / "ab" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+    for arm in ("baseline", "kha"):  # --eval-steps 3: each run's validation curve, at steps 3 and 6
+        curves = [p["validation_curve"] for p in summary["arms"][arm]["per_seed"]]
+        assert [[step for step, _ in curve] for curve in curves] == [[3, 6], [3, 6]]
+    assert "data: " in out and " / 4 validation / 4 held-out blocks" in out  # --max-eval-blocks 4
 
 
 def test_resume_continues_from_the_last_checkpoint(corpus, kha_dir, tmp_path):
