@@ -415,6 +415,8 @@ def train(
         except pickle.UnpicklingError as err:  # torch.load(weights_only=True) refused an object: nothing ran
             raise KHAError(f"cannot resume from {checkpoint}: {unpickling_reason(err)}") from err
         except SafetensorError as err:  # a checkpoint's weights whose header lies (a tensor past the file's end)
+            if checkpoint is None or "deserializ" not in str(err).lower():
+                raise  # a checkpoint that could not be written (a full disk): the output's own message, below
             raise KHAError(f"cannot resume from {checkpoint}: its weights cannot be read ({first_line(err)})") from err
         except SystemExit as err:  # a library ended the run (DeepSpeed's autotuning did): no model, never exit 0
             raise KHAError(f"training stopped before its last step (exit({err.code!r}) inside the trainer)") from None
