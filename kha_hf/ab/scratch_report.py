@@ -98,7 +98,7 @@ def comparison_table(summary: dict, variants: list[str] | None = None, single: d
     lines = [
         f"held-out loss, mean over {len(summary['seeds'])} seed(s); Δ = arm − baseline (negative: lower loss than "
         "the baseline)",
-        f"{'arm':<16} {'loss':>8} {'Δ':>8}  {'95 % CI (t)':<28} {'spikes':<12} {'max grad norm':<16}{paper}",
+        f"{'arm':<16} {'loss':>8} {'Δ':>8}  {'95 % CI (t)':<28} {'spikes':<12} {'max grad norm':<16}{paper}".rstrip(),
         f"{'baseline':<16} {arms['baseline']['heldout_loss_mean']:>8.4f}",
     ]
     for name, entry in entries.items():
