@@ -50,3 +50,21 @@ def bounded_lines(f, limit: int):
             continue
         while line and not line.endswith(b"\n"):  # the rest of an overlong line
             line = f.readline(limit)
+
+
+def keep_rows(path: Path, rows, keep_until: int | None, source: Path | None = None) -> None:
+    """Rewrite the JSON-lines record PATH with the ROWS read from SOURCE (default PATH itself; a function of a path,
+    yielding dicts) whose step is at most KEEP_UNTIL (None: every one), streamed through a sibling file: a resumed
+    run's record without the steps that run again, and nothing but rows copied. Nothing is written when SOURCE is
+    not a regular file."""
+    import os
+
+    source = path if source is None else source
+    if not source.is_file() or source.is_symlink():
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as out:
+        for row in rows(source):
+            if keep_until is None or row["step"] <= keep_until:
+                out.write(json.dumps(row, allow_nan=True) + "\n")
+    os.replace(tmp, path)

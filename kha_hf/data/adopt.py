@@ -44,7 +44,7 @@ from ..checkpoint.paths import check_run_destination
 from ..common.errors import KHAError
 from .chunks import CHUNK_BYTES, DIGEST, ChunkHasher
 from .corpus import TOKENS
-from .megatron_index import MegatronIndex, open_regular, read_megatron_index
+from .megatron_index import MegatronIndex, file_stamp, open_regular, read_megatron_index
 from .prepare import (
     DEFAULT_EVAL_FRACTION,
     DEFAULT_MAX_EVAL_TOKENS,
@@ -437,9 +437,12 @@ def _link(source: Path, dst: Path) -> None:
 def _open_checked(path: Path, identity: tuple[int, int]) -> int:
     """A read-only descriptor of PATH, which must still be the regular file IDENTITY named (never a FIFO: opened
     without blocking, refused before a byte is read)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = open_regular(path)
+    except KHAError:
+        raise KHAError(f"{path} was replaced by another file while it was adopted: adopt it again") from None
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != identity:
+    if (info.st_dev, info.st_ino) != identity:
         os.close(fd)
         raise KHAError(f"{path} was replaced by another file while it was adopted: adopt it again")
     return fd
@@ -451,7 +454,7 @@ def _index_record(index: MegatronIndex) -> Source:
     digest, source = hashlib.sha256(), Source(str(idx), "file")
     with os.fdopen(open_regular(idx), "rb") as f:
         info = os.fstat(f.fileno())
-        if (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) != index.stamp:
+        if file_stamp(info) != index.stamp:
             raise KHAError(f"{idx} changed while it was read: adopt it again")
         while piece := f.read(READ_BYTES):
             digest.update(piece)

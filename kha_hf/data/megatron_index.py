@@ -84,7 +84,7 @@ def read_megatron_index(name: str | Path) -> MegatronIndex:
     with os.fdopen(fd, "rb") as f:
         head = f.read(HEADER)
         info = os.fstat(f.fileno())
-    size, stamp = info.st_size, _stamp(info)
+    size, stamp = info.st_size, file_stamp(info)
     if len(head) < HEADER:
         raise KHAError(f"{idx} is truncated: {len(head)} bytes, shorter than the {HEADER}-byte Megatron index header")
     if head[: len(MAGIC)] != MAGIC:
@@ -166,7 +166,7 @@ def _read(path: Path, offset: int, count: int, dtype, stamp=None) -> np.ndarray:
     after its check is refused, never read unchecked."""
     dtype = np.dtype(dtype).newbyteorder("<")
     with os.fdopen(open_regular(path), "rb") as f:
-        if stamp is not None and _stamp(os.fstat(f.fileno())) != stamp:
+        if stamp is not None and file_stamp(os.fstat(f.fileno())) != stamp:
             raise KHAError(f"{path} changed while it was read: adopt it again")
         data = os.pread(f.fileno(), count * dtype.itemsize, offset)
     if len(data) != count * dtype.itemsize:
@@ -174,7 +174,8 @@ def _read(path: Path, offset: int, count: int, dtype, stamp=None) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
-def _stamp(info: os.stat_result) -> tuple[int, int, int, int]:
+def file_stamp(info: os.stat_result) -> tuple[int, int, int, int]:
+    """(device, inode, size, modification time) of INFO: what tells a file rewritten or replaced since."""
     return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 

@@ -43,11 +43,7 @@ def kha_config_from(ref: str | Path, knock: str | None, vocab_size: int) -> KHAC
         base = PRESETS[str(ref)].config()
     else:
         path = Path(ref).expanduser()
-        folder = path if path.is_dir() else path.parent
-        if path.is_dir() or path.name == "config.json":
-            values = read_config(folder)
-        else:  # another name: read as config.json would be, with the same one-line refusals
-            values = _read_json_config(path)
+        values = _config_values(path)
         check_config_numbers(values, str(path))  # hostile sizes (10^9 layers) are refused before anything is built
         try:
             base = AutoConfig.from_pretrained(path)
@@ -64,6 +60,14 @@ def kha_config_from(ref: str | Path, knock: str | None, vocab_size: int) -> KHAC
         raise KHAError(str(err)) from err
     config.vocab_size = vocab_size
     return config
+
+
+def _config_values(path: Path) -> dict:
+    """The values of the config PATH names: a folder's config.json, or a JSON file of another name, read as
+    config.json would be, with the same one-line refusals."""
+    if path.is_dir() or path.name == "config.json":
+        return read_config(path if path.is_dir() else path.parent)
+    return _read_json_config(path)
 
 
 def _read_json_config(path: Path) -> dict:
@@ -140,12 +144,8 @@ def stated_vocab_size(ref: str | Path) -> int | None:
     """The vocabulary size REF (a preset or a config) states, before the tokenizer's replaces it; None if unread."""
     if str(ref) in PRESETS:
         return PRESETS[str(ref)].vocab_size
-    path = Path(ref).expanduser()
     try:
-        if path.is_dir() or path.name == "config.json":
-            values = read_config(path if path.is_dir() else path.parent)
-        else:
-            values = _read_json_config(path)
+        values = _config_values(Path(ref).expanduser())
     except (KHAError, OSError):
         return None
     text = values.get("text_config") if isinstance(values.get("text_config"), dict) else values

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..common.text_files import bounded_lines
+from ..common.text_files import bounded_lines, keep_rows
 
 PROBE_IMPLEMENTATION = "kha_logit_probe"
 STABILITY_FILE = "stability.jsonl"  # kha train's per-step rows, in its output folder
@@ -45,14 +44,7 @@ class StabilityLog:
         it is resumed into a new folder), are kept up to step KEEP_UNTIL (a resumed run's checkpoint: the steps after
         it run again; None keeps every step); lines that are not rows are dropped, streaming through a sibling file,
         so the file holds each step once, in order, and nothing but rows is ever copied."""
-        source = path if source is None else source
-        if source.is_file() and not source.is_symlink():
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "w") as out:
-                for row in iter_stability_lines(source):
-                    if keep_until is None or row["step"] <= keep_until:
-                        out.write(json.dumps(row, allow_nan=True) + "\n")
-            os.replace(tmp, path)
+        keep_rows(path, iter_stability_lines, keep_until, source)
         self.path = path
 
     _loss: float = 0.0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..common.text_files import bounded_lines
+from ..common.text_files import bounded_lines, keep_rows
 
 VALIDATION_FILE = "validation.jsonl"
 METRIC = "eval_validation_loss"  # Trainer's name for the loss of eval_dataset={"validation": ...}
@@ -42,16 +42,12 @@ def read_validation_lines(path: Path) -> list[dict]:
 class ValidationRecord(TrainerCallback):
     """Appends each validation loss to PATH on the main process. The rows already there, or SOURCE's (a finished
     run resumed into a new folder), are kept up to KEEP_UNTIL (its checkpoint's step: the steps after it run again),
-    so each evaluation is there once, in order. The rows are held in memory to rewrite them: one an evaluation."""
+    so each evaluation is there once, in order."""
 
     def __init__(self, path: Path, keep_until: int | None = None, main: bool = True, source: Path | None = None):
         self.path, self.main = path, main
-        source = path if source is None else source
-        if main and source.is_file() and not source.is_symlink():
-            kept = [r for r in read_validation_lines(source) if keep_until is None or r["step"] <= keep_until]
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, path)
+        if main:
+            keep_rows(path, read_validation_lines, keep_until, source)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         loss = (metrics or {}).get(METRIC)
