@@ -283,6 +283,10 @@ REFUSALS = {
         lambda src: ([_nanogpt(src, [*stream(3000)[:1234], 600, *stream(3000)])], "nanogpt", {}),
         r"train.bin: token id 600 at byte 2,468 is past the tokenizer's 512 ids",
     ),
+    "at-vocabulary": (  # the first id past the vocabulary: ids run from 0 to size - 1
+        lambda src: ([_nanogpt(src, [*stream(3000)[:10], VOCAB, *stream(3000)])], "nanogpt", {}),
+        r"train.bin: token id 512 at byte 20 is past the tokenizer's 512 ids",
+    ),
     "negative": (
         lambda src: (
             [np.save(src / "a.npy", np.array([5, 6, -3, 0] * 300, np.int16)) or src / "a.npy"],
